@@ -1,0 +1,4 @@
+from ninja import Router
+
+storage_router = Router()
+download_router = Router()

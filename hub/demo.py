@@ -1,0 +1,116 @@
+"""A tiny llama-architecture GGUF with random weights: the demo model and the tests' engine.
+
+2 layers, hidden 64, 4 heads, FFN 128, float32, a SentencePiece-style vocabulary with byte
+tokens and ChatML specials, a ChatML chat template, and mean pooling so embeddings come back
+as one vector. The same seed always gives the same bytes.
+"""
+from __future__ import annotations
+
+import string
+from pathlib import Path
+
+import numpy as np
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+_WORDS = (
+    "the a an of to and in is it you that he was for on are with as I his they be at one have this "
+    "from or had by hot word but what some we can out other were all there when up use your how said "
+    "each she which do their time if will way about many then them write would like so these her long "
+    "make thing see him two has look more day could go come did number sound no most people my over "
+    "know water than call first who may down side been now find hello world model token GPU chat"
+).split()
+
+N_EMBD = 64
+N_HEAD = 4
+N_LAYER = 2
+N_FF = 128
+N_CTX = 2048
+
+
+def _vocab() -> tuple[list[str], list[float], list[int]]:
+    import gguf
+
+    tokens: list[str] = ["<unk>", "<s>", "</s>"]
+    types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL]
+    for b in range(256):
+        tokens.append(f"<0x{b:02X}>")
+        types.append(gguf.TokenType.BYTE)
+    tokens += ["<|im_start|>", "<|im_end|>"]
+    types += [gguf.TokenType.CONTROL, gguf.TokenType.CONTROL]
+    pieces = ["▁"] + list(string.ascii_letters + string.digits + string.punctuation)
+    pieces += ["▁" + c for c in string.ascii_letters + string.digits]
+    pieces += ["▁" + w for w in _WORDS]
+    seen = set(tokens)
+    for p in pieces:
+        if p not in seen:
+            seen.add(p)
+            tokens.append(p)
+            types.append(gguf.TokenType.NORMAL)
+    # Longer pieces score higher so the tokenizer prefers whole words.
+    scores = [0.0 if t != gguf.TokenType.NORMAL else float(len(tok)) for tok, t in zip(tokens, types)]
+    return tokens, scores, [int(t) for t in types]
+
+
+def write_tiny_llama_gguf(path: Path | str, *, seed: int = 0, name: str = "xgen-tiny-llama") -> Path:
+    """Write the tiny model to `path` (atomically) and return it."""
+    import gguf
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".part")
+    rng = np.random.default_rng(seed)
+    tokens, scores, types = _vocab()
+    n_vocab = len(tokens)
+
+    def w(*shape: int) -> np.ndarray:
+        return (rng.standard_normal(shape) * 0.05).astype(np.float32)
+
+    writer = gguf.GGUFWriter(str(tmp), "llama")
+    writer.add_name(name)
+    writer.add_context_length(N_CTX)
+    writer.add_embedding_length(N_EMBD)
+    writer.add_block_count(N_LAYER)
+    writer.add_feed_forward_length(N_FF)
+    writer.add_head_count(N_HEAD)
+    writer.add_head_count_kv(N_HEAD)
+    writer.add_rope_dimension_count(N_EMBD // N_HEAD)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_pooling_type(gguf.PoolingType.MEAN)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(tokens.index("<|im_end|>"))
+    writer.add_unk_token_id(0)
+    writer.add_add_bos_token(True)
+    writer.add_add_eos_token(False)
+    writer.add_chat_template(CHATML_TEMPLATE)
+
+    writer.add_tensor("token_embd.weight", w(n_vocab, N_EMBD))
+    writer.add_tensor("output_norm.weight", np.ones(N_EMBD, dtype=np.float32))
+    writer.add_tensor("output.weight", w(n_vocab, N_EMBD))
+    for i in range(N_LAYER):
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(N_EMBD, dtype=np.float32))
+        writer.add_tensor(f"blk.{i}.attn_q.weight", w(N_EMBD, N_EMBD))
+        writer.add_tensor(f"blk.{i}.attn_k.weight", w(N_EMBD, N_EMBD))
+        writer.add_tensor(f"blk.{i}.attn_v.weight", w(N_EMBD, N_EMBD))
+        writer.add_tensor(f"blk.{i}.attn_output.weight", w(N_EMBD, N_EMBD))
+        writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(N_EMBD, dtype=np.float32))
+        writer.add_tensor(f"blk.{i}.ffn_gate.weight", w(N_FF, N_EMBD))
+        writer.add_tensor(f"blk.{i}.ffn_up.weight", w(N_FF, N_EMBD))
+        writer.add_tensor(f"blk.{i}.ffn_down.weight", w(N_EMBD, N_FF))
+
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    tmp.replace(path)
+    return path

@@ -1,0 +1,97 @@
+"""The index of the model store, node caches, and Hugging Face download jobs."""
+from __future__ import annotations
+
+from django.db import models
+from django.utils import timezone
+
+
+class ModelFormat(models.TextChoices):
+    GGUF = "gguf"
+    HUGGINGFACE = "huggingface"
+
+
+class ModelArtifact(models.Model):
+    """One model in the store. The store is the truth; this row is its index."""
+
+    prefix = models.CharField(max_length=512, unique=True)  # "gguf/Qwen_Qwen3-4B"
+    format = models.CharField(max_length=16, choices=ModelFormat.choices)
+    name = models.CharField(max_length=255)
+    files = models.JSONField(default=list, blank=True)  # [{"path", "size", "etag"}]
+    size_bytes = models.BigIntegerField(default=0)
+    file_count = models.IntegerField(default=0)
+    complete = models.BooleanField(default=False, help_text="manifest present: loadable")
+    source_repo = models.CharField(max_length=255, blank=True)
+    source_revision = models.CharField(max_length=64, blank=True)
+    indexed_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["prefix"]
+
+    def __str__(self) -> str:
+        return self.prefix
+
+
+class CacheState(models.TextChoices):
+    MISSING = "MISSING"
+    SYNCING = "SYNCING"
+    READY = "READY"
+    FAILED = "FAILED"
+
+
+class CacheEntry(models.Model):
+    """An artifact copied onto a node's disk."""
+
+    node = models.ForeignKey("hardware.Node", on_delete=models.CASCADE, related_name="cache_entries")
+    prefix = models.CharField(max_length=512)
+    state = models.CharField(max_length=16, choices=CacheState.choices, default=CacheState.MISSING)
+    bytes_done = models.BigIntegerField(default=0)
+    bytes_total = models.BigIntegerField(default=0)
+    manifest = models.JSONField(default=dict, blank=True)
+    error = models.TextField(blank=True)
+    updated_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["prefix"]
+        constraints = [models.UniqueConstraint(fields=["node", "prefix"], name="uniq_cache_per_node_prefix")]
+
+
+class DownloadStatus(models.TextChoices):
+    PENDING = "PENDING"
+    DOWNLOADING = "DOWNLOADING"
+    UPLOADING = "UPLOADING"
+    COMPLETED = "COMPLETED"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+
+
+DOWNLOAD_ACTIVE = (DownloadStatus.PENDING, DownloadStatus.DOWNLOADING, DownloadStatus.UPLOADING)
+
+
+class DownloadJob(models.Model):
+    repo_id = models.CharField(max_length=255)
+    revision = models.CharField(max_length=128, blank=True)
+    format = models.CharField(max_length=16, choices=ModelFormat.choices)
+    allow_patterns = models.JSONField(default=list, blank=True)
+    status = models.CharField(max_length=16, choices=DownloadStatus.choices, default=DownloadStatus.PENDING)
+    bytes_done = models.BigIntegerField(default=0)
+    bytes_total = models.BigIntegerField(default=0)
+    files = models.JSONField(default=list, blank=True)  # [{"path", "size", "done"}]
+    error = models.TextField(blank=True)
+    target_prefix = models.CharField(max_length=512, blank=True)
+    node = models.CharField(max_length=100, blank=True, help_text="agent that claimed the job")
+    cancel_requested = models.BooleanField(default=False)
+    created_by = models.ForeignKey("xgenconsole.User", null=True, blank=True, on_delete=models.SET_NULL)
+    created_at = models.DateTimeField(default=timezone.now)
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+
+    @property
+    def percent(self) -> float:
+        return 100.0 * self.bytes_done / self.bytes_total if self.bytes_total else 0.0
+
+    @property
+    def is_active(self) -> bool:
+        return self.status in DOWNLOAD_ACTIVE

@@ -1,0 +1,4 @@
+from ninja import Router
+
+management_router = Router()
+inference_router = Router()

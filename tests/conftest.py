@@ -1,0 +1,242 @@
+"""Fixtures every test module may use: users and keys, the tiny model, a real llama.cpp server,
+a real S3 endpoint, a real console process, and a check that nothing is left running."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.procs import PYTHON, SESSION_CHILDREN, free_port, leftover_children, stop_process, wait_http
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+# ---------------------------------------------------------------- no leftovers
+@pytest.fixture(autouse=True, scope="module")
+def _no_leftover_children() -> Iterator[None]:
+    yield
+    import time
+
+    deadline = time.monotonic() + 5
+    left = leftover_children()
+    while left and time.monotonic() < deadline:  # give just-stopped processes a moment to be reaped
+        time.sleep(0.1)
+        left = leftover_children()
+    assert not left, "child processes left running or defunct after this module:\n" + "\n".join(left)
+
+
+# ---------------------------------------------------------------- users, keys
+@dataclass
+class Account:
+    user: object
+    password: str
+    key: str
+
+
+def _account(username: str, role: str) -> Account:
+    from xgenconsole.services import create_api_key, create_user
+
+    password = f"{username}-pass-123"
+    user = create_user(username=username, role=role, password=password)
+    _, key = create_api_key(user=user, name=f"{username}-key")
+    return Account(user=user, password=password, key=key)
+
+
+@pytest.fixture
+def admin(db) -> Account:
+    return _account("alice-admin", "admin")
+
+
+@pytest.fixture
+def operator(db) -> Account:
+    return _account("olga-operator", "operator")
+
+
+@pytest.fixture
+def viewer(db) -> Account:
+    return _account("victor-viewer", "viewer")
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"HTTP_AUTHORIZATION": f"Bearer {key}"}
+
+
+# ---------------------------------------------------------------- tiny model
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory) -> Path:
+    """The tiny llama GGUF (random weights, ChatML, mean pooling); ~600 KB."""
+    from hub.demo import write_tiny_llama_gguf
+
+    return write_tiny_llama_gguf(tmp_path_factory.mktemp("models") / "tiny-llama.gguf", seed=0)
+
+
+# ---------------------------------------------------------------- llama.cpp server
+@dataclass
+class LlamaServer:
+    proc: subprocess.Popen
+    port: int
+    alias: str
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+@pytest.fixture
+def llama_server_factory(tiny_gguf: Path, tmp_path: Path) -> Iterator[Callable[..., LlamaServer]]:
+    """Start real llama-cpp-python OpenAI servers on the tiny model; all stopped after the test."""
+    started: list[LlamaServer] = []
+
+    def start(alias: str = "tiny", *, embedding: bool = False, model: Path | None = None) -> LlamaServer:
+        port = free_port()
+        cmd = [PYTHON, "-m", "llama_cpp.server", "--model", str(model or tiny_gguf), "--host", "127.0.0.1",
+               "--port", str(port), "--model_alias", alias, "--n_ctx", "512", "--verbose", "false"]
+        if embedding:
+            cmd += ["--embedding", "true"]
+        log = open(tmp_path / f"llama-{alias}-{port}.log", "wb")  # noqa: SIM115
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()
+        server = LlamaServer(proc=proc, port=port, alias=alias)
+        started.append(server)
+        wait_http(f"{server.base_url}/v1/models", timeout=60, proc=proc)
+        return server
+
+    yield start
+    for server in started:
+        stop_process(server.proc)
+
+
+@pytest.fixture
+def llama_server(llama_server_factory) -> LlamaServer:
+    return llama_server_factory("tiny")
+
+
+# ---------------------------------------------------------------- S3 on loopback
+@dataclass
+class S3Endpoint:
+    host: str
+    port: int
+    access_key: str = "testing-access"
+    secret_key: str = "testing-secret-key"
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.endpoint}"
+
+    def client(self):
+        from minio import Minio
+
+        return Minio(self.endpoint, access_key=self.access_key, secret_key=self.secret_key, secure=False)
+
+    def reset(self) -> None:
+        httpx.post(f"{self.url}/moto-api/reset", timeout=10).raise_for_status()
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[S3Endpoint]:
+    """moto's S3 server in its own process on a free loopback port (a real S3 endpoint)."""
+    port = free_port()
+    log = open(Path(tempfile.gettempdir()) / f"moto-{port}.log", "wb")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [PYTHON, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        env={**os.environ, "AWS_ACCESS_KEY_ID": "testing-access", "AWS_SECRET_ACCESS_KEY": "testing-secret-key"},
+    )
+    log.close()
+    SESSION_CHILDREN.add(proc.pid)
+    wait_http(f"http://127.0.0.1:{port}/moto-api/", timeout=60, proc=proc)
+    yield S3Endpoint(host="127.0.0.1", port=port)
+    stop_process(proc)
+    SESSION_CHILDREN.discard(proc.pid)
+
+
+@pytest.fixture
+def s3(s3_server: S3Endpoint) -> S3Endpoint:
+    """The S3 endpoint, emptied before the test."""
+    s3_server.reset()
+    return s3_server
+
+
+# ---------------------------------------------------------------- a real console process
+@dataclass
+class Console:
+    proc: subprocess.Popen
+    url: str
+    data_dir: Path
+    env: dict
+    admin_user: str = "admin"
+    admin_password: str = "admin-pass-123"
+
+    def manage(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+        return subprocess.run([PYTHON, str(REPO / "manage.py"), *args], env=self.env, cwd=REPO,
+                              capture_output=True, text=True, check=check, timeout=120)
+
+    @property
+    def log(self) -> str:
+        return (self.data_dir / "serve.log").read_text(errors="replace")
+
+
+def start_console(data_dir: Path, *, extra_env: dict | None = None, server: str = "daphne") -> Console:
+    """Migrate a fresh data dir, create an admin, and run `manage.py serve` on a free port."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "xgenconsole.settings",
+        "XGEN_DATA_DIR": str(data_dir),
+        "XGEN_NODE_NAME": "test-node",
+        "XGEN_ADMIN_PASSWORD": "admin-pass-123",
+        "XGEN_DEMO_MODEL": "false",
+        "XGEN_HEARTBEAT_INTERVAL": "1",
+        "PYTHONUNBUFFERED": "1",
+        **(extra_env or {}),
+    }
+    for cmd in (["migrate", "-v0"], ["ensureadmin"]):
+        subprocess.run([PYTHON, str(REPO / "manage.py"), *cmd], env=env, cwd=REPO, check=True,
+                       capture_output=True, timeout=120)
+    log = open(data_dir / "serve.log", "wb")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [PYTHON, str(REPO / "manage.py"), "serve", "--host", "127.0.0.1", "--port", str(port), "--server", server],
+        env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+    )
+    log.close()
+    console = Console(proc=proc, url=f"http://127.0.0.1:{port}", data_dir=data_dir, env=env)
+    try:
+        wait_http(f"{console.url}/healthz", timeout=60, proc=proc)
+    except Exception:
+        stop_process(proc)
+        raise RuntimeError("console did not start:\n" + console.log) from None
+    return console
+
+
+@pytest.fixture(scope="module")
+def console(tmp_path_factory) -> Iterator[Console]:
+    """A real all-in-one console (`manage.py serve`) with its own data dir, for the module."""
+    c = start_console(tmp_path_factory.mktemp("console"))
+    yield c
+    code = stop_process(c.proc, timeout=30)
+    assert code == 0, f"console exited with {code}:\n{c.log[-3000:]}"
+
+
+def pytest_collection_modifyitems(config, items):
+    # Sync Playwright cannot share a process with pytest-asyncio's loops: browser tests run
+    # in their own invocation (`pytest -m browser`, see the README); elsewhere they are
+    # deselected, not skipped, so no run counts them as passed.
+    if "browser" in (config.getoption("-m") or ""):
+        return
+    keep = [item for item in items if "browser" not in item.keywords]
+    dropped = [item for item in items if "browser" in item.keywords]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = keep

@@ -1,0 +1,60 @@
+from pathlib import Path
+
+import pytest
+
+from xgenconsole.env import ImproperEnv, database_from_url, env_bool, env_int, env_secret, persistent_secret_key
+
+
+def test_env_bool_takes_only_true_or_false(monkeypatch):
+    monkeypatch.setenv("X_FLAG", "TRUE")
+    assert env_bool("X_FLAG", False) is True
+    monkeypatch.setenv("X_FLAG", "false")
+    assert env_bool("X_FLAG", True) is False
+    for bad in ("yes", "1", "on", "no"):
+        monkeypatch.setenv("X_FLAG", bad)
+        with pytest.raises(ImproperEnv, match="X_FLAG"):
+            env_bool("X_FLAG", False)
+    monkeypatch.delenv("X_FLAG")
+    assert env_bool("X_FLAG", True) is True
+
+
+def test_env_int_checks_type_and_bounds(monkeypatch):
+    monkeypatch.setenv("X_N", "12")
+    assert env_int("X_N", 1) == 12
+    monkeypatch.setenv("X_N", "twelve")
+    with pytest.raises(ImproperEnv, match="integer"):
+        env_int("X_N", 1)
+    monkeypatch.setenv("X_N", "0")
+    with pytest.raises(ImproperEnv, match=">= 1"):
+        env_int("X_N", 5, minimum=1)
+
+
+def test_env_secret_reads_the_file_variant(monkeypatch, tmp_path: Path):
+    secret = tmp_path / "s"
+    secret.write_text("from-file\n")
+    monkeypatch.delenv("X_SECRET", raising=False)
+    monkeypatch.setenv("X_SECRET_FILE", str(secret))
+    assert env_secret("X_SECRET") == "from-file"
+    monkeypatch.setenv("X_SECRET", "direct")
+    assert env_secret("X_SECRET") == "direct"
+    monkeypatch.delenv("X_SECRET")
+    monkeypatch.setenv("X_SECRET_FILE", str(tmp_path / "missing"))
+    with pytest.raises(ImproperEnv, match="cannot be read"):
+        env_secret("X_SECRET")
+
+
+def test_secret_key_is_generated_once_and_private(tmp_path: Path):
+    first = persistent_secret_key(tmp_path)
+    assert len(first) > 40
+    assert persistent_secret_key(tmp_path) == first
+    assert (tmp_path / "secret_key").stat().st_mode & 0o777 == 0o600
+
+
+def test_database_url_parsing(tmp_path: Path):
+    assert database_from_url("", data_dir=tmp_path)["NAME"] == str(tmp_path / "xgen.sqlite3")
+    pg = database_from_url("postgres://u:p%40ss@db.local:5433/xgen?sslmode=require", data_dir=tmp_path)
+    assert pg["ENGINE"] == "django.db.backends.postgresql"
+    assert (pg["USER"], pg["PASSWORD"], pg["HOST"], pg["PORT"], pg["NAME"]) == ("u", "p@ss", "db.local", "5433", "xgen")
+    assert pg["OPTIONS"] == {"sslmode": "require"}
+    with pytest.raises(ImproperEnv, match="mysql"):
+        database_from_url("mysql://x/y", data_dir=tmp_path)

@@ -1,0 +1,75 @@
+"""The one NinjaAPI: every router, the auth classes, and OpenAI-shaped errors everywhere."""
+from __future__ import annotations
+
+import logging
+
+from django.contrib.admin.views.decorators import staff_member_required
+from django.http import Http404, HttpRequest
+from ninja import NinjaAPI
+from ninja.errors import AuthenticationError, AuthorizationError, HttpError, ValidationError
+
+from hardware.api import router as hardware_router
+from hub.api import download_router, storage_router
+from serving.api import inference_router, management_router
+from xgenconsole.auth import api_auth
+from xgenconsole.errors import ApiError, json_error
+
+log = logging.getLogger(__name__)
+
+api = NinjaAPI(
+    title="XGEN Console API",
+    version="1",
+    auth=api_auth,
+    urls_namespace="api",
+    docs_url="/docs",
+    docs_decorator=staff_member_required,
+)
+
+api.add_router("/hardware", hardware_router, tags=["hardware"])
+api.add_router("/storage", storage_router, tags=["model store"])
+api.add_router("/download", download_router, tags=["downloads"])
+api.add_router("/management", management_router, tags=["serving"])
+api.add_router("/inference", inference_router, tags=["inference"])
+
+
+def _validation_message(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors[:5]:
+        loc = ".".join(str(p) for p in err.get("loc", ()) if p not in ("body", "payload", "query", "path"))
+        parts.append(f"{loc or 'body'}: {err.get('msg', 'invalid')}")
+    return "Invalid request: " + "; ".join(parts)
+
+
+@api.exception_handler(ValidationError)
+def on_validation_error(request: HttpRequest, exc: ValidationError):
+    return json_error(400, _validation_message(exc), code="invalid_request")
+
+
+@api.exception_handler(AuthenticationError)
+def on_auth_error(request: HttpRequest, exc: AuthenticationError):
+    return json_error(
+        401, "Authentication required: send 'Authorization: Bearer <key>' or sign in.", code="unauthorized"
+    )
+
+
+@api.exception_handler(AuthorizationError)
+def on_authz_error(request: HttpRequest, exc: AuthorizationError):
+    return json_error(403, str(exc) or "Forbidden.", code="forbidden")
+
+
+@api.exception_handler(HttpError)
+def on_http_error(request: HttpRequest, exc: HttpError):
+    if isinstance(exc, ApiError):
+        return json_error(exc.status_code, exc.message, code=exc.code, type=exc.type)
+    return json_error(exc.status_code, str(exc), code=None)
+
+
+@api.exception_handler(Http404)
+def on_not_found(request: HttpRequest, exc: Http404):
+    return json_error(404, str(exc) or "Not found.", code="not_found")
+
+
+@api.exception_handler(Exception)
+def on_unexpected(request: HttpRequest, exc: Exception):
+    log.exception("unhandled API error on %s %s", request.method, request.path)
+    return json_error(500, "Internal error; the server log has the details.", code="internal_error")

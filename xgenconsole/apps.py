@@ -1,0 +1,6 @@
+from django.apps import AppConfig
+
+
+class XgenConsoleConfig(AppConfig):
+    name = "xgenconsole"
+    verbose_name = "XGEN Console"

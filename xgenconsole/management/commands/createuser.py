@@ -1,0 +1,33 @@
+import getpass
+
+from django.core.exceptions import ValidationError
+from django.core.management.base import BaseCommand, CommandError
+
+from xgenconsole.models import Role, User
+from xgenconsole.services import create_user
+
+
+class Command(BaseCommand):
+    help = "Create a console user with a role (admin, operator, viewer)."
+
+    def add_arguments(self, parser):
+        parser.add_argument("--username", required=True)
+        parser.add_argument("--role", required=True, choices=Role.values)
+        parser.add_argument("--password", help="prompted when omitted")
+        parser.add_argument("--email", default="")
+
+    def handle(self, *args, username: str, role: str, password: str | None, email: str, **options):
+        if User.objects.filter(username__iexact=username).exists():
+            raise CommandError(f"user {username!r} exists")
+        if password is None:
+            password = getpass.getpass("Password: ")
+            if password != getpass.getpass("Password (again): "):
+                raise CommandError("passwords do not match")
+        from django.contrib.auth.password_validation import validate_password
+
+        try:
+            validate_password(password)
+        except ValidationError as exc:
+            raise CommandError("; ".join(exc.messages)) from None
+        user = create_user(username=username, role=role, password=password, email=email)
+        self.stdout.write(f"created user {user.username} ({user.role})")

@@ -1,0 +1,115 @@
+"""The all-in-one process: web server and node agent in one process and one event loop."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+
+from django.conf import settings
+from django.core.management.base import BaseCommand, CommandError
+
+log = logging.getLogger("xgen.serve")
+
+
+class Command(BaseCommand):
+    help = "Run the console (web + node agent) in one process: the embedded default."
+
+    def add_arguments(self, parser):
+        parser.add_argument("--host", default="127.0.0.1")
+        parser.add_argument("--port", type=int, default=8000)
+        parser.add_argument("--server", choices=["daphne", "uvicorn"], default="daphne")
+        parser.add_argument("--no-agent", action="store_true", help="web only (cluster mode web process)")
+
+    def handle(self, *args, host: str, port: int, server: str, no_agent: bool, **options):
+        if not 0 < port < 65536:
+            raise CommandError("--port must be 1..65535")
+        self.stdout.write(f"XGEN Console on http://{host}:{port}/ ({server}; node {settings.NODE_NAME})")
+        self.stdout.flush()
+        if server == "uvicorn":
+            asyncio.run(self._run_uvicorn(host, port, not no_agent))
+        else:
+            self._run_daphne(host, port, not no_agent)
+
+    def _make_agent(self, with_agent: bool):
+        if not with_agent:
+            return None
+        from serving.agent import NodeAgent
+
+        return NodeAgent()
+
+    async def _run_uvicorn(self, host: str, port: int, with_agent: bool) -> None:
+        import uvicorn
+
+        from xgenconsole.asgi import application
+
+        class Server(uvicorn.Server):
+            @contextlib.contextmanager
+            def capture_signals(self):
+                # uvicorn re-raises the signal after serving, which would kill the process
+                # before the agent has stopped its backends; we exit normally instead.
+                loop = asyncio.get_running_loop()
+                for sig in (signal.SIGINT, signal.SIGTERM):
+                    loop.add_signal_handler(sig, self.handle_exit, sig, None)
+                try:
+                    yield
+                finally:
+                    for sig in (signal.SIGINT, signal.SIGTERM):
+                        loop.remove_signal_handler(sig)
+
+        config = uvicorn.Config(application, host=host, port=port, lifespan="on", log_level="warning")
+        web = Server(config)
+        agent = self._make_agent(with_agent)
+        stop = asyncio.Event()
+        agent_task = asyncio.create_task(agent.run(stop)) if agent else None
+        try:
+            await web.serve()  # returns on SIGINT/SIGTERM (uvicorn installs the handlers)
+        finally:
+            stop.set()
+            if agent_task:
+                await agent_task
+
+    def _run_daphne(self, host: str, port: int, with_agent: bool) -> None:
+        import daphne.server  # noqa: F401  (installs the asyncio reactor first)
+        from daphne.endpoints import build_endpoint_description_strings
+        from daphne.server import Server
+        from twisted.internet import defer, reactor
+
+        from xgenconsole.asgi import application
+        from serving.proxy import shutdown_proxy
+
+        agent = self._make_agent(with_agent)
+        stop = asyncio.Event()
+        state: dict = {}
+
+        def on_ready() -> None:
+            if agent:
+                state["agent"] = asyncio.ensure_future(agent.run(stop))
+
+                def agent_died(task: asyncio.Future) -> None:
+                    if not task.cancelled() and task.exception() is not None:
+                        log.error("node agent stopped: %s", task.exception())
+                        reactor.callFromThread(reactor.stop)
+
+                state["agent"].add_done_callback(agent_died)
+
+        async def shutdown() -> None:
+            stop.set()
+            task = state.get("agent")
+            if task:
+                await asyncio.gather(task, return_exceptions=True)
+            await shutdown_proxy()
+
+        reactor.addSystemEventTrigger(
+            "before", "shutdown", lambda: defer.Deferred.fromFuture(asyncio.ensure_future(shutdown()))
+        )
+        Server(
+            application=application,
+            endpoints=build_endpoint_description_strings(host=host, port=port),
+            signal_handlers=True,
+            ready_callable=on_ready,
+            application_close_timeout=10,
+            verbosity=0,
+        ).run()
+        # SIGTERM arrives as reactor.stop(); keep the default handler for a second signal.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)

@@ -1,0 +1,166 @@
+"""Settings for XGEN Console, read from the environment (see the README's table)."""
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+from xgenconsole.env import (
+    database_from_url,
+    env_bool,
+    env_int,
+    env_list,
+    env_secret,
+    env_str,
+    persistent_secret_key,
+)
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+
+DATA_DIR = Path(env_str("XGEN_DATA_DIR", str(BASE_DIR / "data"))).resolve()
+DATA_DIR.mkdir(parents=True, exist_ok=True)
+MODELS_DIR = Path(env_str("XGEN_MODELS_DIR", str(DATA_DIR / "models"))).resolve()
+STORE_DIR = Path(env_str("XGEN_STORE_DIR", str(DATA_DIR / "store"))).resolve()
+LOG_DIR = Path(env_str("XGEN_LOG_DIR", str(DATA_DIR / "logs"))).resolve()
+
+SECRET_KEY = env_secret("XGEN_SECRET_KEY") or persistent_secret_key(DATA_DIR)
+DEBUG = env_bool("XGEN_DEBUG", False)
+ALLOWED_HOSTS = env_list("XGEN_ALLOWED_HOSTS", ["127.0.0.1", "localhost", "[::1]"])
+CSRF_TRUSTED_ORIGINS = env_list("XGEN_CSRF_TRUSTED_ORIGINS", [])
+
+# Node identity: what the node agent registers, and where web processes reach its backends.
+NODE_NAME = env_str("XGEN_NODE_NAME", socket.gethostname())
+NODE_ADDRESS = env_str("XGEN_NODE_ADDRESS", "127.0.0.1")
+HEARTBEAT_INTERVAL_S = env_int("XGEN_HEARTBEAT_INTERVAL", 5, minimum=1)
+NODE_STALE_AFTER_S = env_int("XGEN_NODE_STALE_AFTER", 20, minimum=2)
+NODE_OFFLINE_AFTER_S = env_int("XGEN_NODE_OFFLINE_AFTER", 60, minimum=3)
+HARDWARE_REFRESH_S = env_int("XGEN_HARDWARE_REFRESH", 10, minimum=1)
+
+# Backends: ports handed out to model servers, and how long a load may take.
+BACKEND_PORT_MIN = env_int("XGEN_BACKEND_PORT_MIN", 18000, minimum=1024, maximum=65535)
+BACKEND_PORT_MAX = env_int("XGEN_BACKEND_PORT_MAX", 18999, minimum=1024, maximum=65535)
+LOAD_TIMEOUT_VLLM_S = env_int("XGEN_LOAD_TIMEOUT_VLLM", 300, minimum=1)
+LOAD_TIMEOUT_LLAMA_S = env_int("XGEN_LOAD_TIMEOUT_LLAMA", 1800, minimum=1)
+STOP_GRACE_S = env_int("XGEN_STOP_GRACE", 15, minimum=1)
+RESTART_LIMIT = env_int("XGEN_RESTART_LIMIT", 5, minimum=0)
+RESTART_BACKOFF_S = env_int("XGEN_RESTART_BACKOFF", 2, minimum=0)
+RECONCILE_INTERVAL_S = env_int("XGEN_RECONCILE_INTERVAL", 5, minimum=1)
+
+# Model store: MinIO when configured, else a filesystem store in the data dir.
+MINIO_ENDPOINT = env_str("MINIO_ENDPOINT")
+MINIO_ACCESS_KEY = env_secret("MINIO_ACCESS_KEY")
+MINIO_SECRET_KEY = env_secret("MINIO_SECRET_KEY")
+MINIO_BUCKET = env_str("MINIO_BUCKET", "xgen-models")
+MINIO_SECURE = env_bool("MINIO_SECURE", False)
+CACHE_SYNC_WORKERS = env_int("XGEN_CACHE_SYNC_WORKERS", 8, minimum=1, maximum=64)
+DEMO_MODEL = env_bool("XGEN_DEMO_MODEL", True)
+
+# Inference proxy.
+PROXY_MAX_BODY_BYTES = env_int("XGEN_PROXY_MAX_BODY", 16 * 1024 * 1024, minimum=1024)
+PROXY_CONNECT_TIMEOUT_S = env_int("XGEN_PROXY_CONNECT_TIMEOUT", 5, minimum=1)
+API_KEY_CACHE_S = env_int("XGEN_API_KEY_CACHE", 30, minimum=0)
+
+INSTALLED_APPS = [
+    "daphne",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "channels",
+    "django_htmx",
+    "ninja",
+    "xgenconsole",
+    "hardware",
+    "hub",
+    "serving",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "xgenconsole.auth.LoginRequiredPagesMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "django_htmx.middleware.HtmxMiddleware",
+]
+
+ROOT_URLCONF = "xgenconsole.urls"
+ASGI_APPLICATION = "xgenconsole.asgi.application"
+AUTH_USER_MODEL = "xgenconsole.User"
+LOGIN_URL = "login"
+LOGIN_REDIRECT_URL = "home"
+LOGOUT_REDIRECT_URL = "login"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+DATABASES = {"default": database_from_url(env_secret("DATABASE_URL"), data_dir=DATA_DIR)}
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+REDIS_URL = env_secret("REDIS_URL")
+if REDIS_URL:
+    CHANNEL_LAYERS = {
+        "default": {
+            "BACKEND": "channels_redis.core.RedisChannelLayer",
+            "CONFIG": {"hosts": [REDIS_URL], "capacity": 1000, "expiry": 30},
+        }
+    }
+else:
+    CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
+
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator", "OPTIONS": {"min_length": 8}},
+]
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = False
+USE_TZ = True
+
+STATIC_URL = "/static/"
+STATICFILES_DIRS = [BASE_DIR / "static"]
+STATIC_ROOT = Path(env_str("XGEN_STATIC_ROOT", str(DATA_DIR / "static")))
+
+SESSION_COOKIE_HTTPONLY = True
+SESSION_COOKIE_SAMESITE = "Lax"
+CSRF_COOKIE_SAMESITE = "Lax"
+X_FRAME_OPTIONS = "DENY"
+SECURE_CONTENT_TYPE_NOSNIFF = True
+SECURE_REFERRER_POLICY = "same-origin"
+# Production hardening (see README): on behind TLS with XGEN_SECURE=true.
+if env_bool("XGEN_SECURE", False):
+    SESSION_COOKIE_SECURE = True
+    CSRF_COOKIE_SECURE = True
+    SECURE_SSL_REDIRECT = env_bool("XGEN_SSL_REDIRECT", True)
+    SECURE_HSTS_SECONDS = env_int("XGEN_HSTS_SECONDS", 31536000, minimum=0)
+    SECURE_HSTS_INCLUDE_SUBDOMAINS = True
+    SECURE_HSTS_PRELOAD = env_bool("XGEN_HSTS_PRELOAD", False)
+    SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "root": {"handlers": ["console"], "level": env_str("XGEN_LOG_LEVEL", "INFO")},
+    "loggers": {
+        # Every refused API call would otherwise be a WARNING line.
+        "django.request": {"level": "ERROR"},
+        "daphne": {"level": "WARNING"},
+    },
+}

@@ -1,0 +1,14 @@
+"""Settings for the test run: a throwaway data dir, so tests never touch ./data."""
+import atexit
+import os
+import shutil
+import tempfile
+
+_tmp = tempfile.mkdtemp(prefix="xgen-test-")
+os.environ["XGEN_DATA_DIR"] = _tmp
+os.environ.setdefault("XGEN_DEMO_MODEL", "false")
+atexit.register(shutil.rmtree, _tmp, True)
+
+from xgenconsole.settings import *  # noqa: E402,F401,F403
+
+PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]  # fast in tests only
