@@ -53,7 +53,7 @@ def _vocab() -> tuple[list[str], list[float], list[int]]:
             tokens.append(p)
             types.append(gguf.TokenType.NORMAL)
     # Longer pieces score higher so the tokenizer prefers whole words.
-    scores = [0.0 if t != gguf.TokenType.NORMAL else float(len(tok)) for tok, t in zip(tokens, types)]
+    scores = [0.0 if t != gguf.TokenType.NORMAL else float(len(tok)) for tok, t in zip(tokens, types, strict=True)]
     return tokens, scores, [int(t) for t in types]
 
 

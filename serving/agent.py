@@ -26,15 +26,44 @@ class AgentAlreadyRunning(RuntimeError):
     """Another agent holds this node's lock."""
 
 
+class AgentWorker:
+    """A part of the agent's work, contributed by one app. Subclasses override what they need.
+
+    start(): once, after the node is registered and before the agent counts as started.
+    run(): a long-running loop; cancelled when the agent stops.
+    stop(): once, when the agent stops (stop what this worker owns, cleanly).
+    """
+
+    name = "worker"
+
+    async def start(self, agent: NodeAgent) -> None:
+        return None
+
+    async def run(self, agent: NodeAgent) -> None:
+        return None
+
+    async def stop(self, agent: NodeAgent) -> None:
+        return None
+
+
+def default_workers() -> list[AgentWorker]:
+    """The explicit registry of what a node agent does, in start order."""
+    workers: list[AgentWorker] = []
+    return workers
+
+
 def node_group(name: str) -> str:
     """Channel-layer group that nudges the agent of node `name`."""
     return f"node.{name}"
 
 
 class NodeAgent:
-    def __init__(self, *, name: str | None = None, address: str | None = None) -> None:
+    def __init__(
+        self, *, name: str | None = None, address: str | None = None, workers: list[AgentWorker] | None = None
+    ) -> None:
         self.name = name or settings.NODE_NAME
         self.address = address or settings.NODE_ADDRESS
+        self.workers = default_workers() if workers is None else workers
         self._lock_fh = None
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
@@ -71,7 +100,7 @@ class NodeAgent:
             self._tasks = [
                 asyncio.create_task(self._heartbeat_loop(), name="agent-heartbeat"),
                 asyncio.create_task(self._nudge_listener(), name="agent-nudges"),
-            ]
+            ] + [asyncio.create_task(self._run_worker(w), name=f"agent-{w.name}") for w in self.workers]
             await stop.wait()
         finally:
             for task in self._tasks:
@@ -83,9 +112,42 @@ class NodeAgent:
     async def start(self) -> None:
         await sync_to_async(register_node)(name=self.name, address=self.address)
         log.info("node agent %s registered (address %s, pid %s)", self.name, self.address, os.getpid())
+        for worker in self.workers:
+            await worker.start(self)
 
     async def shutdown(self) -> None:
+        for worker in reversed(self.workers):
+            try:
+                await worker.stop(self)
+            except Exception:
+                log.exception("stopping %s failed", worker.name)
         log.info("node agent %s stopped", self.name)
+
+    async def _run_worker(self, worker: AgentWorker) -> None:
+        """A worker's loop; a crash is logged and the loop restarted, never the agent lost."""
+        while True:
+            try:
+                await worker.run(self)
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("agent worker %s crashed; restarting in 1 s", worker.name)
+                await asyncio.sleep(1)
+
+    def nudge(self) -> None:
+        """Wake whoever waits in wait_for_nudge (the reconcile loop)."""
+        self._wake.set()
+
+    async def wait_for_nudge(self, timeout: float) -> bool:
+        """Sleep until nudged or `timeout` passes; True when nudged."""
+        try:
+            await asyncio.wait_for(self._wake.wait(), timeout)
+            return True
+        except TimeoutError:
+            return False
+        finally:
+            self._wake.clear()
 
     async def _heartbeat_loop(self) -> None:
         while True:

@@ -2,7 +2,14 @@ from pathlib import Path
 
 import pytest
 
-from xgenconsole.env import ImproperEnv, database_from_url, env_bool, env_int, env_secret, persistent_secret_key
+from xgenconsole.env import (
+    ImproperEnv,
+    database_from_url,
+    env_bool,
+    env_int,
+    env_secret,
+    persistent_secret_key,
+)
 
 
 def test_env_bool_takes_only_true_or_false(monkeypatch):

@@ -75,8 +75,8 @@ class Command(BaseCommand):
         from daphne.server import Server
         from twisted.internet import defer, reactor
 
-        from xgenconsole.asgi import application
         from serving.proxy import shutdown_proxy
+        from xgenconsole.asgi import application
 
         agent = self._make_agent(with_agent)
         stop = asyncio.Event()
