@@ -44,7 +44,7 @@ extras=""
 [ "$mode" = test ] && extras="[test]"
 .venv/bin/python -m pip install -q --upgrade pip 2>&1 | grep -v "is ignored" || true
 .venv/bin/python -m pip install -q -e ".${extras}" 2>&1 | grep -v -e "is ignored" -e "^ *$" || true
-.venv/bin/python -c "import django, llama_cpp, channels, ninja" # fail loudly if the install did not take
+.venv/bin/python -c "import django, llama_cpp, channels, minio, gguf" # fail loudly if the install did not take
 
 if [ "$mode" = run ]; then
   .venv/bin/python manage.py migrate -v0
