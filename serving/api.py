@@ -1,4 +1,3 @@
 from ninja import Router
 
 management_router = Router()
-inference_router = Router()

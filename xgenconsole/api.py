@@ -10,7 +10,8 @@ from ninja.errors import AuthenticationError, AuthorizationError, HttpError, Val
 
 from hardware.api import router as hardware_router
 from hub.api import download_router, storage_router
-from serving.api import inference_router, management_router
+from serving.api import management_router
+from serving.inference_api import router as inference_router
 from xgenconsole.auth import api_auth
 from xgenconsole.errors import ApiError, json_error
 
