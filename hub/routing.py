@@ -1,3 +1,7 @@
-from django.urls import path  # noqa: F401
+from django.urls import path
 
-websocket_urlpatterns: list = []
+from hub.consumers import DownloadsConsumer
+
+websocket_urlpatterns = [
+    path("ws/downloads/", DownloadsConsumer.as_asgi()),
+]

@@ -18,6 +18,7 @@ from django.conf import settings
 from django.db import close_old_connections
 
 from hardware.services import record_heartbeat, register_node
+from hub.worker import HubWorker
 
 log = logging.getLogger("xgen.agent")
 
@@ -49,6 +50,7 @@ class AgentWorker:
 def default_workers() -> list[AgentWorker]:
     """The explicit registry of what a node agent does, in start order."""
     workers: list[AgentWorker] = []
+    workers.append(HubWorker())
     return workers
 
 
