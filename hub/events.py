@@ -34,5 +34,8 @@ async def publish_job(job: DownloadJob) -> None:
 
 def publish_new_job(job: DownloadJob) -> None:
     """From a request thread: put a just-created job at the top of every Downloads page."""
-    html = render_to_string("hub/partials/_job_row.html", {"job": job, "oob": False, "can_cancel": True})
-    publish_sync(DOWNLOADS_GROUP, f'<div hx-swap-oob="afterbegin:#jobs">{html}</div>')
+    try:
+        html = render_to_string("hub/partials/_job_row.html", {"job": job, "oob": False, "can_cancel": True})
+        publish_sync(DOWNLOADS_GROUP, f'<div hx-swap-oob="afterbegin:#jobs">{html}</div>')
+    except Exception:  # the job exists; a page that misses it shows it on reload
+        log.warning("could not announce job %s", job.pk, exc_info=True)
