@@ -8,6 +8,8 @@ manifest last. Every exit path leaves the job in a final state and removes the t
 from __future__ import annotations
 
 import asyncio
+import base64
+import hashlib
 import json
 import logging
 import os
@@ -51,6 +53,13 @@ _update = _db(services.update_job)
 _finish = _db(services.finish_job)
 
 
+def _staging_name(path: str) -> str:
+    """huggingface_hub (2.x, local_dir mode) writes `<name>` to
+    `.cache/huggingface/download/<dir>/<urlsafe-b64(sha1("<name>.metadata"))>.<etag>.incomplete`."""
+    name = Path(path).name + ".metadata"
+    return base64.urlsafe_b64encode(hashlib.sha1(name.encode()).digest()).decode()
+
+
 def _file_progress(dest: Path, files: list[dict]) -> list[dict]:
     """Bytes on disk per wanted file: the final file, or huggingface_hub's `.incomplete` one."""
     staging = dest / ".cache" / "huggingface" / "download"
@@ -64,12 +73,13 @@ def _file_progress(dest: Path, files: list[dict]) -> list[dict]:
             rel = Path(f["path"])
             folder = staging / rel.parent
             if folder.is_dir():
-                for part in folder.glob(f"{rel.name}*.incomplete"):
-                    try:
-                        done = max(done, part.stat().st_size)
-                    except OSError:
-                        pass
-        out.append({"path": f["path"], "size": f["size"], "done": min(done, f["size"])})
+                for pattern in (f"{_staging_name(f['path'])}.*.incomplete", f"{rel.name}*.incomplete"):
+                    for part in folder.glob(pattern):
+                        try:
+                            done = max(done, part.stat().st_size)
+                        except OSError:
+                            pass
+        out.append({"path": f["path"], "size": f["size"], "done": min(done, f["size"] or done)})
     return out
 
 

@@ -54,10 +54,12 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.pop("HF_HUB_OFFLINE", None)
 
-    from huggingface_hub import HfApi, snapshot_download
+    from huggingface_hub import HfApi, constants, snapshot_download
     from huggingface_hub.hf_api import RepoFile
     from huggingface_hub.utils import filter_repo_objects
 
+    # The parent measures progress from bytes on disk; 1 MiB writes (default 10 MiB) keep it smooth.
+    constants.DOWNLOAD_CHUNK_SIZE = 1024 * 1024
     allow = args.allow or None
     try:
         api = HfApi()
