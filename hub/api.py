@@ -131,12 +131,12 @@ def list_downloads(request: HttpRequest):
     return [_job_out(j) for j in DownloadJob.objects.all()[:100]]
 
 
-@download_router.get("/{int:job_id}", response=DownloadJobOut, summary="One download job")
+@download_router.get("/{job_id}", response=DownloadJobOut, summary="One download job")
 def get_download(request: HttpRequest, job_id: int):
     return _job_out(get_object_or_404(DownloadJob, pk=job_id))
 
 
-@download_router.post("/{int:job_id}/cancel", response=DownloadJobOut, summary="Cancel a download (operator+)")
+@download_router.post("/{job_id}/cancel", response=DownloadJobOut, summary="Cancel a download (operator+)")
 def cancel_download(request: HttpRequest, job_id: int):
     require_role(request, "operator")
     job = get_object_or_404(DownloadJob, pk=job_id)

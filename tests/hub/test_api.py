@@ -94,6 +94,7 @@ def test_download_api_contract(hub_dirs, operator, viewer):
     assert job["target_prefix"] == "gguf/Qwen_Qwen3-4B"
     assert c.get(f"/api/download/{job['id']}", **bearer(viewer.key)).json()["id"] == job["id"]
     assert c.get("/api/download/99999", **bearer(viewer.key)).status_code == 404
+    _assert_openai_400(c.get("/api/download/abc", **bearer(viewer.key)))
     assert _post(c, f"/api/download/{job['id']}/cancel", {}, viewer.key).status_code == 403
     cancelled = _post(c, f"/api/download/{job['id']}/cancel", {}, operator.key).json()
     assert cancelled["status"] == "CANCELLED"
