@@ -122,6 +122,16 @@ def _manifest_matches_local(manifest: Manifest, local: dict | None, local_dir: P
     return True
 
 
+def _offline_copy(local_dir: Path, prefix: str) -> int | None:
+    """Bytes of a complete local copy whose files still match their last verification, else None."""
+    local = read_local_manifest(local_dir)
+    if not local or local.get("prefix") != prefix or not local.get("files"):
+        return None
+    if not all(_file_unchanged(local_dir, rec) for rec in local["files"]):
+        return None
+    return sum(int(rec.get("size", 0)) for rec in local["files"])
+
+
 def is_cached(prefix: str, *, store: ModelStore | None = None) -> bool:
     """True when the local copy matches the store's manifest (one small GET, no per-file requests)."""
     local_dir = cache_dir_for(prefix)
@@ -239,7 +249,17 @@ def sync_to_cache(
     prefix = validate_prefix(prefix)
     store = store or get_store()
     local_dir = cache_dir_for(prefix)
-    manifest = store.read_manifest(prefix)
+    try:
+        manifest = store.read_manifest(prefix)
+    except StoreError:
+        # The store is down: a copy verified earlier and untouched since is still good to load.
+        offline = _offline_copy(local_dir, prefix)
+        if offline is None:
+            raise
+        log.warning("store %s unreachable; using the verified local copy of %s", store.describe(), prefix)
+        if progress:
+            progress(offline, offline)
+        return local_dir
     if manifest is None:
         raise ModelNotInStore(f"{prefix} is not a complete model in the store ({store.describe()}).")
     if manifest.prefix != prefix:

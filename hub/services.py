@@ -44,15 +44,30 @@ def _upsert_artifact(model: StoredModel, *, source_repo: str = "", source_revisi
 
 
 def refresh_index(*, store: ModelStore | None = None) -> int:
-    """Make the ModelArtifact table match the store (one listing per format); returns the model count."""
+    """Make the ModelArtifact table match the store (one listing per format, bulk writes);
+    returns the model count. Source repo and revision, known only to the index, are kept."""
     store = store or get_store()
     models = store.scan_models()
-    seen = set()
+    now = timezone.now()
+    existing = {a.prefix: a for a in ModelArtifact.objects.all()}
+    fields = ("format", "name", "files", "size_bytes", "file_count", "complete", "indexed_at")
+    new, changed = [], []
+    for model in models:
+        values = {"format": model.format, "name": model.prefix.split("/", 1)[1], "files": model.files,
+                  "size_bytes": model.size_bytes, "file_count": model.file_count, "complete": model.complete,
+                  "indexed_at": now}
+        row = existing.pop(model.prefix, None)
+        if row is None:
+            new.append(ModelArtifact(prefix=model.prefix, **values))
+        elif any(getattr(row, k) != v for k, v in values.items() if k != "indexed_at"):
+            for k, v in values.items():
+                setattr(row, k, v)
+            changed.append(row)
     with transaction.atomic():
-        for model in models:
-            _upsert_artifact(model)
-            seen.add(model.prefix)
-        ModelArtifact.objects.exclude(prefix__in=seen).delete()
+        ModelArtifact.objects.bulk_create(new, batch_size=500)
+        ModelArtifact.objects.bulk_update(changed, fields, batch_size=500)
+        if existing:
+            ModelArtifact.objects.filter(prefix__in=list(existing)).delete()
     return len(models)
 
 

@@ -193,3 +193,27 @@ def test_refresh_index_follows_the_store(hub_dirs, tmp_path):
     assert services.refresh_index(store=store) == 2
     rows = {a.prefix: a.complete for a in ModelArtifact.objects.all()}
     assert rows == {"gguf/a": True, "gguf/b": False}
+
+
+def test_the_index_of_a_thousand_models_refreshes_and_pages(hub_dirs, s3, viewer):
+    from tests.hub.conftest import minio_store_for
+
+    store = minio_store_for(s3)
+    for i in range(1000):
+        store.put_bytes(f"gguf/model-{i:04d}/m.gguf", b"w" * (i + 1))
+        if i != 7:
+            store.put_bytes(f"gguf/model-{i:04d}/.xgen-manifest.json", b"{}")
+    assert services.refresh_index(store=store) == 1000
+    assert ModelArtifact.objects.count() == 1000 and ModelArtifact.objects.filter(complete=False).count() == 1
+    store.delete_model("gguf/model-0001")
+    assert services.refresh_index(store=store) == 999
+    c = Client()
+    pages, url = [], "/api/storage/models?page=1"
+    while True:
+        body = c.get(url, **bearer(viewer.key)).json()
+        pages.append(body["items"])
+        if body["next"] is None:
+            break
+        url = f"/api/storage/models?page={body['next']}"
+    assert [len(p) for p in pages] == [100] * 9 + [99]
+    assert pages[0][7]["prefix"] == "gguf/model-0008" and pages[0][6]["complete"] is False

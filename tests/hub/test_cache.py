@@ -174,6 +174,19 @@ def test_two_concurrent_syncs_transfer_once(counted):
         assert proxy.gets(f"/{PREFIX}/{name}") == 1, name
 
 
+def test_a_verified_copy_loads_while_the_store_is_down(counted):
+    from hub.store import StoreError
+
+    store, proxy = counted
+    local = sync_to_cache(PREFIX, node_name="n1", store=store)
+    proxy.dead = True
+    assert sync_to_cache(PREFIX, node_name="n1", store=store) == local
+    with open(local / "shard-0.bin", "r+b") as fh:  # a damaged copy is not trusted offline
+        fh.truncate(10)
+    with pytest.raises(StoreError):
+        sync_to_cache(PREFIX, node_name="n1", store=store)
+
+
 def test_a_model_without_manifest_is_never_synced(counted):
     store, _ = counted
     store.put_bytes("gguf/partial/a.gguf", b"x")
