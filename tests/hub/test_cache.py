@@ -245,3 +245,20 @@ def test_resolve_model_path(tmp_path):
     assert resolve_model_path(h, "huggingface") == h / "snap"
     flat = make_model_dir(tmp_path / "f", {"config.json": b"{}"})
     assert resolve_model_path(flat, "huggingface") == flat
+
+
+def test_big_files_go_up_in_parts_and_come_back_verified(s3, hub_dirs, tmp_path):
+    store = minio_store_for(s3)
+    big = tmp_path / "big" / "model.gguf"
+    big.parent.mkdir()
+    with open(big, "wb") as fh:
+        for i in range(70):
+            fh.write(bytes([i]) * 2**20)
+    seen = []
+    manifest = store.upload_model("gguf/big", big, progress=lambda d, t: seen.append(d))
+    [entry] = manifest.files
+    assert entry.etag.endswith("-2")  # multipart: 64 MiB parts
+    assert len(seen) >= 9 and seen[-1] == 70 * 2**20  # progress within each part
+    local = sync_to_cache("gguf/big", node_name="n1", store=store)
+    assert hashlib.sha256((local / "model.gguf").read_bytes()).hexdigest() == entry.sha256
+    assert resolve_model_path(local, "gguf") == local / "model.gguf"
