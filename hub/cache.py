@@ -191,27 +191,34 @@ class _Cancelled(Exception):
 
 
 def _fetch_file(store: ModelStore, prefix: str, f: ManifestFile, local_dir: Path, on_bytes: Callable[[int], None],
-                stop: threading.Event) -> int:
+                stop: threading.Event, *, hash_bytes: bool) -> int:
+    """Fetch one file to `<name>.part` and rename it into place only once it checks out:
+    size, the store's ETag equal to the manifest's (the very object the manifest describes),
+    and, when asked or when there is no ETag to compare, the sha256."""
     dest = safe_join(local_dir, f.path)
     dest.parent.mkdir(parents=True, exist_ok=True)
     part = dest.with_name(dest.name + PART)
-    digest = hashlib.sha256()
+    hash_bytes = hash_bytes or not f.etag
+    digest = hashlib.sha256() if hash_bytes else None
     written = 0
 
     def on_chunk(chunk: bytes) -> None:
         nonlocal written
         if stop.is_set():
             raise _Cancelled()
-        digest.update(chunk)
+        if digest is not None:
+            digest.update(chunk)
         written += len(chunk)
         on_bytes(len(chunk))
 
     try:
         with open(part, "wb") as fh:
-            store.stream_to(f"{prefix}/{f.path}", fh, on_chunk=on_chunk)
+            etag = store.stream_to(f"{prefix}/{f.path}", fh, on_chunk=on_chunk)
         if written != f.size:
             raise CacheCorrupt(f"{prefix}/{f.path}: got {written} bytes, the manifest says {f.size}")
-        if f.sha256 and digest.hexdigest() != f.sha256:
+        if f.etag and etag and etag != f.etag:
+            raise CacheCorrupt(f"{prefix}/{f.path} changed in the store after its manifest was written")
+        if digest is not None and f.sha256 and digest.hexdigest() != f.sha256:
             raise CacheCorrupt(f"{prefix}/{f.path}: checksum differs from the manifest")
         os.replace(part, dest)
     except BaseException:
@@ -241,7 +248,8 @@ def sync_to_cache(
 ) -> Path:
     """Make MODELS_DIR/<prefix> a verified copy of the store model and return that folder.
 
-    Only files that differ from the manifest (size, ETag, sha256) are fetched. `verify=True`
+    Only files that differ from the manifest (size, ETag, sha256) are fetched; each fetched file
+    must match the manifest's size and ETag. `verify=True` also hashes every fetched byte and
     re-hashes every cached file even when its recorded size and mtime match. Raises
     ModelNotInStore for an incomplete or missing model, CacheError/StoreError on failure; a
     failed or killed sync never leaves a file or a local manifest that passes as complete.
@@ -312,7 +320,8 @@ def sync_to_cache(
             if fetch:
                 workers = max(1, min(settings.CACHE_SYNC_WORKERS, len(fetch)))
                 with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="cache-sync") as pool:
-                    futures = [pool.submit(_fetch_file, store, prefix, f, local_dir, on_bytes, stop) for f in fetch]
+                    futures = [pool.submit(_fetch_file, store, prefix, f, local_dir, on_bytes, stop, hash_bytes=verify)
+                               for f in fetch]
                     pending = set(futures)
                     last_record = time.monotonic()
                     while pending:

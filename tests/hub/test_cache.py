@@ -187,6 +187,22 @@ def test_a_verified_copy_loads_while_the_store_is_down(counted):
         sync_to_cache(PREFIX, node_name="n1", store=store)
 
 
+def test_an_object_replaced_after_its_manifest_is_refused(counted):
+    from hub.cache import CacheCorrupt
+
+    store, _ = counted
+    store.put_bytes(f"{PREFIX}/shard-4.bin", os.urandom(len(FILES["shard-4.bin"])))  # same size, other bytes
+    with pytest.raises(CacheCorrupt, match="changed in the store"):
+        sync_to_cache(PREFIX, node_name="n1", store=store)
+    _assert_nothing_passes_as_complete(cache_dir_for(PREFIX))
+
+
+def test_verify_hashes_every_fetched_byte(counted):
+    store, _ = counted
+    local = sync_to_cache(PREFIX, node_name="n1", store=store, verify=True)
+    assert (local / "shard-5.bin").read_bytes() == FILES["shard-5.bin"]
+
+
 def test_a_model_without_manifest_is_never_synced(counted):
     store, _ = counted
     store.put_bytes("gguf/partial/a.gguf", b"x")
