@@ -10,6 +10,7 @@ from xgenconsole.live import publish, publish_sync
 
 log = logging.getLogger("xgen.hub.events")
 DOWNLOADS_GROUP = "downloads"
+UPLOADS_GROUP = "uploads"
 
 
 def job_row_id(job: DownloadJob) -> str:
@@ -39,3 +40,11 @@ def publish_new_job(job: DownloadJob) -> None:
         publish_sync(DOWNLOADS_GROUP, f'<div hx-swap-oob="afterbegin:#jobs">{html}</div>')
     except Exception:  # the job exists; a page that misses it shows it on reload
         log.warning("could not announce job %s", job.pk, exc_info=True)
+
+
+async def publish_upload(upload) -> None:
+    """Send an upload's progress row to every Upload page."""
+    from asgiref.sync import sync_to_async
+
+    html = await sync_to_async(render_to_string)("hub/partials/_upload_row.html", {"upload": upload, "oob": True})
+    await publish(UPLOADS_GROUP, html, key=f"upload-{upload.id}")

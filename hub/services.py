@@ -90,15 +90,8 @@ def index_prefix(prefix: str, *, store: ModelStore | None = None, source_repo: s
 
 
 # --------------------------------------------------------------------------- uploads and deletes
-def upload_local_model(
-    *,
-    local_path: str,
-    format: str,
-    name: str,
-    store: ModelStore | None = None,
-    progress: Callable[[int, int], None] | None = None,
-) -> ModelArtifact:
-    """Upload a local file or folder (on this host) into the store as `<format>/<name>` and index it."""
+def validate_upload(*, local_path: str, format: str, name: str) -> tuple[str, Path]:
+    """Check an upload request before any transfer; returns (prefix, local path)."""
     if format not in FORMAT_ROOTS:
         raise HubInputError(f"Unknown format {format!r}: use gguf or huggingface.")
     prefix = prefix_for(format, name)  # InvalidPrefix for a traversal attempt in name
@@ -115,6 +108,19 @@ def upload_local_model(
         raise HubInputError(f"{local_path} holds no .gguf file.")
     if format == ModelFormat.HUGGINGFACE and not (path.is_dir() and any(path.rglob("config.json"))):
         raise HubInputError(f"{local_path} is not a Hugging Face model folder (no config.json).")
+    return prefix, path
+
+
+def upload_local_model(
+    *,
+    local_path: str,
+    format: str,
+    name: str,
+    store: ModelStore | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> ModelArtifact:
+    """Upload a local file or folder (on this host) into the store as `<format>/<name>` and index it."""
+    prefix, path = validate_upload(local_path=local_path, format=format, name=name)
     store = store or get_store()
     store.upload_model(prefix, path, source={"local_path": str(path)}, progress=progress)
     return index_prefix(prefix, store=store)

@@ -15,6 +15,7 @@ from hub.events import publish_new_job
 from hub.models import CacheEntry, CacheState, DownloadJob, ModelArtifact
 from hub.paths import FORMAT_ROOTS, InvalidPrefix
 from hub.store import StoreError
+from hub.uploads import recent_uploads, start_upload
 from xgenconsole.models import Role
 from xgenconsole.views import role_required
 
@@ -81,23 +82,21 @@ def models_refresh(request: HttpRequest) -> HttpResponse:
 @role_required(Role.OPERATOR)
 @require_http_methods(["GET", "POST"])
 def upload_page(request: HttpRequest) -> HttpResponse:
-    """Upload a file or folder on the web server's host into the store."""
+    """Upload a file or folder on the web server's host into the store, with live progress."""
     form = {"local_path": "", "format": "gguf", "name": ""}
     status = 200
     if request.method == "POST":
         form = {k: request.POST.get(k, "").strip() for k in form}
         try:
-            artifact = services.upload_local_model(**form)
+            upload = start_upload(**form, user=request.user.username)
         except (InvalidPrefix, services.HubInputError) as exc:
             messages.error(request, str(exc))
             status = 400
-        except StoreError as exc:
-            messages.error(request, f"The store failed: {exc}")
-            status = 502
         else:
-            messages.success(request, f"Uploaded {artifact.prefix}: {artifact.file_count} files.")
-            return redirect("models")
-    return render(request, "hub/upload.html", {"form": form, "formats": FORMAT_ROOTS}, status=status)
+            messages.success(request, f"Uploading {upload.local_path} as {upload.prefix}.")
+            return redirect("model-upload")
+    return render(request, "hub/upload.html", {"form": form, "formats": FORMAT_ROOTS, "uploads": recent_uploads()},
+                  status=status)
 
 
 @require_http_methods(["GET", "POST"])

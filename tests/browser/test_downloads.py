@@ -32,6 +32,7 @@ def hub_console(tmp_path_factory, fake_hub):
 
 def test_a_download_shows_live_progress_and_lands_in_the_models_page(hub_console, page):
     login(page, hub_console.url, hub_console.admin_user, hub_console.admin_password)
+    page.wait_for_url(lambda url: "/accounts/login/" not in url)
     page.goto(f"{hub_console.url}/downloads/")
     page.fill("#repo_id", "acme/browser-model")
     page.select_option("#dl-format", "huggingface")
@@ -61,6 +62,7 @@ def test_a_download_shows_live_progress_and_lands_in_the_models_page(hub_console
 
 def test_an_unknown_repo_shows_why_and_cancel_works(hub_console, page, fake_hub):
     login(page, hub_console.url, hub_console.admin_user, hub_console.admin_password)
+    page.wait_for_url(lambda url: "/accounts/login/" not in url)
     page.goto(f"{hub_console.url}/downloads/")
     page.fill("#repo_id", "nobody/missing")
     page.click("#download-form button[type=submit]")

@@ -145,10 +145,27 @@ def test_page_forms_refuse_traversal(hub_dirs, admin, tiny_gguf):
     assert not DownloadJob.objects.exists()
 
 
+def _wait_for_upload():
+    import time
+
+    from hub.uploads import recent_uploads
+
+    deadline = time.monotonic() + 30
+    while recent_uploads()[0].status == "UPLOADING" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return recent_uploads()[0]
+
+
+@pytest.mark.django_db(transaction=True)
 def test_page_forms_work(hub_dirs, admin, tiny_gguf):
     c = _login(admin)
     resp = c.post("/models/upload/", {"local_path": str(tiny_gguf), "format": "gguf", "name": "paged"})
     assert resp.status_code == 302
+    upload = _wait_for_upload()
+    assert (upload.status, upload.prefix, upload.percent) == ("COMPLETED", "gguf/paged", 100)
+    assert upload.bytes_done == upload.bytes_total == tiny_gguf.stat().st_size
+    page = c.get("/models/upload/").content.decode()
+    assert f'id="upload-{upload.id}"' in page and 'data-status="COMPLETED"' in page
     assert "gguf/paged" in c.get("/models/").content.decode()
     resp = c.post("/downloads/", {"repo_id": "acme/m", "format": "huggingface", "allow_patterns": "*.json, *.bin"})
     assert resp.status_code == 302

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 
 from django.core.management.base import BaseCommand, CommandError
 
@@ -32,7 +33,7 @@ class Command(BaseCommand):
                 sys.stderr.flush()
 
         try:
-            artifact = services.upload_local_model(local_path=str(opts["path"]), format=opts["format"],
+            artifact = services.upload_local_model(local_path=str(Path(opts["path"]).resolve()), format=opts["format"],
                                                    name=opts["name"], store=store, progress=progress)
         except (InvalidPrefix, services.HubInputError) as exc:
             raise CommandError(str(exc)) from None
