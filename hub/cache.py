@@ -13,6 +13,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -377,7 +378,9 @@ def resolve_model_path(local_dir: Path, fmt: str, filename: str | None = None) -
         ggufs = [p for p in local_dir.rglob("*.gguf") if p.is_file()]
         if not ggufs:
             raise CacheError(f"no .gguf file in {local_dir}")
-        return max(ggufs, key=lambda p: (p.stat().st_size, -len(p.as_posix())))
+        # A split model (`x-00001-of-00003.gguf`) loads from its first shard.
+        first_shards = [p for p in ggufs if re.search(r"-0*1-of-\d+\.gguf$", p.name)]
+        return max(first_shards or ggufs, key=lambda p: (p.stat().st_size, -len(p.as_posix())))
     if fmt == "huggingface":
         if (local_dir / "config.json").is_file():
             return local_dir

@@ -257,6 +257,8 @@ def test_resolve_model_path(tmp_path):
     assert resolve_model_path(g, "gguf", "small.gguf") == (g / "small.gguf").resolve()
     with pytest.raises(InvalidPrefix):
         resolve_model_path(g, "gguf", "../g/small.gguf")
+    split = make_model_dir(tmp_path / "s", {"m-00001-of-00002.gguf": b"a", "m-00002-of-00002.gguf": b"b" * 9})
+    assert resolve_model_path(split, "gguf") == split / "m-00001-of-00002.gguf"
     h = make_model_dir(tmp_path / "h", {"snap/config.json": b"{}", "snap/model.safetensors": b"w"})
     assert resolve_model_path(h, "huggingface") == h / "snap"
     flat = make_model_dir(tmp_path / "f", {"config.json": b"{}"})

@@ -30,3 +30,24 @@ async def test_anonymous_is_refused():
     comm.scope["user"] = AnonymousUser()
     connected, _ = await comm.connect()
     assert not connected
+
+
+async def test_upload_progress_reaches_the_upload_page(viewer, hub_dirs, tmp_path):
+    from hub.consumers import UploadsConsumer
+    from hub.uploads import start_upload
+
+    big = tmp_path / "m.gguf"
+    big.write_bytes(b"g" * (3 * 2**20))
+    comm = WebsocketCommunicator(UploadsConsumer.as_asgi(), "/ws/uploads/")
+    comm.scope["user"] = viewer.user
+    assert (await comm.connect())[0]
+    # As a request thread of the server would: the thread publishes through the server's loop.
+    upload = await sync_to_async(start_upload)(local_path=str(big), format="gguf", name="ws-up", user="v")
+    seen = ""
+    for _ in range(20):
+        seen += await comm.receive_from(timeout=5)
+        if 'data-status="COMPLETED"' in seen:
+            break
+    assert f'id="upload-{upload.id}"' in seen and 'data-status="COMPLETED"' in seen
+    assert 'aria-valuenow="100"' in seen
+    await comm.disconnect()
