@@ -57,6 +57,18 @@ def api_operations() -> list[tuple[str, str, str]]:
     return out
 
 
+@pytest.mark.django_db
+def test_api_docs_need_login(viewer):
+    for path in ("/api/docs", "/api/openapi.json"):
+        response = Client().get(path)
+        assert response.status_code == 302 and response["Location"].startswith("/accounts/login/"), path
+        client = Client()
+        client.force_login(viewer.user)
+        assert client.get(path).status_code == 200, path
+    schema = client.get("/api/openapi.json").json()
+    assert schema["info"]["title"] == "XGEN Console API"
+
+
 def test_the_matrix_sees_every_route():
     pages = [p for p, _ in page_routes()]
     assert {"/models/", "/instances/", "/gpus/", "/downloads/", "/keys/", "/users/"} <= set(pages)
