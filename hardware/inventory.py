@@ -17,7 +17,7 @@ from django.db import close_old_connections
 from hardware.backends import probe_backends
 from hardware.detectors import DETECTORS, DetectionReport, Detector, detect
 from hardware.detectors.base import DetectorAttempt, DetectorUnavailable
-from hardware.detectors.cpu import read_cpu_info
+from hardware.detectors.cpu import cpu_percent, read_cpu_info, read_cpu_times
 
 log = logging.getLogger("xgen.hardware")
 
@@ -58,6 +58,7 @@ class InventoryWorker:
         self.chain = chain
         self.report: DetectionReport | None = None
         self._detector: Detector | None = None
+        self._cpu_times = read_cpu_times()
 
     async def start(self, agent: Any) -> None:
         result = await asyncio.to_thread(collect_inventory, self.chain)
@@ -79,6 +80,9 @@ class InventoryWorker:
         if self.report is None:
             return await self.start(agent)
         result = await asyncio.to_thread(refresh_inventory, self.report, self._detector)
+        times = read_cpu_times()
+        result.report.cpu.percent = cpu_percent(self._cpu_times, times)
+        self._cpu_times = times
         self.report = result.report
         await sync_to_async(self._save)(agent.name, result)
         await self._publish()

@@ -58,10 +58,11 @@ def save_inventory(*, node_name: str, result: InventoryResult) -> Node:
         node.cpu_count = report.cpu.cores
         node.memory_total_mib = report.cpu.memory_total_mib
         node.memory_used_mib = report.cpu.memory_used_mib
+        node.cpu_percent = report.cpu.percent
         if result.backends is not None:
             node.backends = result.backends
         node.save(update_fields=["detector", "detection_report", "cpu_count", "memory_total_mib",
-                                 "memory_used_mib", "backends"])
+                                 "memory_used_mib", "cpu_percent", "backends"])
         seen = []
         for gpu in report.gpus:
             GpuDevice.objects.update_or_create(

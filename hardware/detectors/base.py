@@ -45,6 +45,7 @@ class CpuInfo:
     cores: int
     memory_total_mib: int
     memory_used_mib: int
+    percent: float | None = None  # use since the previous sample; None on the first
 
 
 @dataclass

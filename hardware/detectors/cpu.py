@@ -35,6 +35,33 @@ def read_cpu_info(meminfo: Path = Path("/proc/meminfo")) -> CpuInfo:
     return CpuInfo(cores=cores, memory_total_mib=total, memory_used_mib=used)
 
 
+def parse_proc_stat(text: str) -> tuple[int, int]:
+    """(busy, total) jiffies from the aggregate `cpu` line of /proc/stat (idle + iowait are not busy)."""
+    for line in text.splitlines():
+        fields = line.split()
+        if fields and fields[0] == "cpu":
+            values = [int(v) for v in fields[1:9]]  # user nice system idle iowait irq softirq steal
+            idle = values[3] + (values[4] if len(values) > 4 else 0)
+            total = sum(values)
+            return total - idle, total
+    return 0, 0
+
+
+def read_cpu_times(stat: Path = Path("/proc/stat")) -> tuple[int, int] | None:
+    """(busy, total) jiffies since boot; None without procfs."""
+    try:
+        return parse_proc_stat(stat.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def cpu_percent(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+    """CPU use between two read_cpu_times() samples, in %; None when it cannot be told."""
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return round(100.0 * (after[0] - before[0]) / (after[1] - before[1]), 1)
+
+
 class CpuDetector(Detector):
     name = "cpu"
     label = "cpu"
