@@ -13,6 +13,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from hardware.detectors.torch_cuda import torch_wheel_build
+
 PROBE_TIMEOUT_S = 10.0
 
 # Checked in this order: ROCm builds of llama.cpp also print "ggml_cuda_init".
@@ -76,20 +78,12 @@ def probe_llama_server(binary: str | None = None) -> dict:
                        path=path)
 
 
-def _torch_flavour() -> str:
-    """Build of the installed torch from its version's local part (+cu124, +rocm6.2, +cpu)."""
+def _installed(package: str) -> bool:
     try:
-        version = importlib.metadata.version("torch")
+        importlib.metadata.version(package)
     except importlib.metadata.PackageNotFoundError:
-        return ""
-    local = version.partition("+")[2].lower()
-    if local.startswith("rocm"):
-        return "rocm"
-    if local.startswith("cu"):
-        return "cuda"
-    if local == "cpu":
-        return "cpu"
-    return "cuda"  # PyPI's plain torch wheels for Linux are CUDA builds
+        return False
+    return True
 
 
 def probe_vllm() -> dict:
@@ -107,7 +101,7 @@ def probe_vllm() -> dict:
     elif local == "cpu":
         flavour = "cpu"
     else:
-        flavour = _torch_flavour()
+        flavour = torch_wheel_build() or ("cuda" if _installed("torch") else "")
     path = shutil.which("vllm") or str(dist.locate_file("vllm"))
     if flavour == "cpu":
         return backend_row("vllm", available=False, version=version, flavour=flavour, path=path,

@@ -7,10 +7,15 @@ import pytest
 
 from hardware.detectors import DETECTORS, detect
 from hardware.detectors.amdsmi import AmdSmiDetector, parse_amdsmi_device
-from hardware.detectors.base import DetectedGpu, Detector, amd_gpu_type
+from hardware.detectors.base import DetectedGpu, Detector, DetectorUnavailable, amd_gpu_type
 from hardware.detectors.cpu import CpuDetector, parse_meminfo, read_cpu_info
 from hardware.detectors.nvml import NvmlDetector, parse_nvml_device
-from hardware.detectors.torch_cuda import TorchCudaDetector, parse_torch_device
+from hardware.detectors.torch_cuda import (
+    TorchCudaDetector,
+    parse_torch_device,
+    read_torch_devices,
+    torch_wheel_build,
+)
 from hardware.detectors.torch_rocm import TorchRocmDetector
 from tests.hardware import recorded
 
@@ -132,3 +137,15 @@ def test_the_real_chain_here_reaches_cpu_with_every_reason():
     assert rows["cpu"]["ok"] is True
     info = read_cpu_info()
     assert report.cpu.cores == info.cores and info.memory_total_mib > info.memory_used_mib > 0
+
+
+def test_torch_build_is_read_from_metadata_here():
+    # The CPU wheel: the torch detectors decide without importing torch into the agent.
+    assert torch_wheel_build() == "cpu"
+
+
+def test_the_torch_device_reader_on_the_real_torch():
+    import torch
+
+    with pytest.raises(DetectorUnavailable, match="^torch: CUDA build but no GPU is visible$"):
+        read_torch_devices(torch, TorchCudaDetector(), rocm=False)

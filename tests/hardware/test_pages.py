@@ -34,8 +34,8 @@ def test_gpu_node_with_memory_bars_and_holder_link(as_viewer, gpu_node):
     inst = ModelInstance.objects.create(model_name="qwen3-4b", model_path="gguf/q", backend="vllm", node=gpu_node,
                                         gpus=[1], state=InstanceState.LOADING)
     html = as_viewer.get("/gpus/").content.decode()
-    assert '<dd id="count-nodes">1 (1 online)</dd>' in html
-    assert '<dd id="count-gpus">2</dd>' in html and '<dd id="count-instances">1 active</dd>' in html
+    assert '<strong id="count-nodes">1</strong> <span class="muted">(1 online)</span>' in html
+    assert '<strong id="count-gpus">2</strong>' in html and '<strong id="count-instances">1</strong>' in html
     assert 'class="badge status-online"' in html and "10.0.0.5" in html
     assert "543 / 81559 MiB (1 %)" in html
     assert f'href="/instances/{inst.pk}/">qwen3-4b</a>' in html
