@@ -18,8 +18,13 @@ from hardware.backends import probe_backends
 from hardware.detectors import DETECTORS, DetectionReport, Detector, detect
 from hardware.detectors.base import DetectorAttempt, DetectorUnavailable
 from hardware.detectors.cpu import cpu_percent, read_cpu_info, read_cpu_times
+from hardware.events import publish_gpus
+from hardware.services import save_inventory
 
 log = logging.getLogger("xgen.hardware")
+
+# Backends change only when someone installs one; re-probe every this many refreshes (~5 min).
+BACKEND_REPROBE_EVERY = 30
 
 
 @dataclass
@@ -33,8 +38,8 @@ def collect_inventory(chain: list[Detector] | None = None) -> InventoryResult:
     return InventoryResult(report=detect(chain), backends=probe_backends())
 
 
-def refresh_inventory(previous: DetectionReport, detector: Detector | None) -> InventoryResult:
-    """Fresh metrics from the detector that won at start; the earlier attempts are kept."""
+def refresh_inventory(previous: DetectionReport, detector: Detector | None, *, reprobe: bool = False) -> InventoryResult:
+    """Fresh metrics from the detector that won at start (earlier attempts kept); backends if `reprobe`."""
     gpus = previous.gpus
     attempts = previous.attempts
     if detector is not None:
@@ -46,7 +51,7 @@ def refresh_inventory(previous: DetectionReport, detector: Detector | None) -> I
             attempts = [a for a in attempts if a.detector != detector.name]
             attempts.append(DetectorAttempt(detector=detector.name, ok=False, reason=f"refresh failed: {exc}"))
     report = DetectionReport(detector=previous.detector, gpus=gpus, cpu=read_cpu_info(), attempts=attempts)
-    return InventoryResult(report=report, backends=None)
+    return InventoryResult(report=report, backends=probe_backends() if reprobe else None)
 
 
 class InventoryWorker:
@@ -59,8 +64,10 @@ class InventoryWorker:
         self.report: DetectionReport | None = None
         self._detector: Detector | None = None
         self._cpu_times = read_cpu_times()
+        self._refreshes = 0
 
     async def start(self, agent: Any) -> None:
+        """Run the detector chain and the backend probe; save and publish before the agent counts as started."""
         result = await asyncio.to_thread(collect_inventory, self.chain)
         self.report = result.report
         chain = self.chain if self.chain is not None else [cls() for cls in DETECTORS.values()]
@@ -71,6 +78,7 @@ class InventoryWorker:
         await self._publish()
 
     async def run(self, agent: Any) -> None:
+        """Refresh every HARDWARE_REFRESH_S until cancelled."""
         while True:
             await asyncio.sleep(settings.HARDWARE_REFRESH_S)
             await self.refresh(agent)
@@ -79,7 +87,9 @@ class InventoryWorker:
         """One refresh: re-read metrics, save, publish the GPUs page fragment."""
         if self.report is None:
             return await self.start(agent)
-        result = await asyncio.to_thread(refresh_inventory, self.report, self._detector)
+        self._refreshes += 1
+        reprobe = self._refreshes % BACKEND_REPROBE_EVERY == 0
+        result = await asyncio.to_thread(refresh_inventory, self.report, self._detector, reprobe=reprobe)
         times = read_cpu_times()
         result.report.cpu.percent = cpu_percent(self._cpu_times, times)
         self._cpu_times = times
@@ -88,17 +98,14 @@ class InventoryWorker:
         await self._publish()
 
     async def stop(self, agent: Any) -> None:
+        """Nothing to stop: the worker owns no process."""
         return None
 
     @staticmethod
     def _save(node_name: str, result: InventoryResult) -> None:
-        from hardware.services import save_inventory
-
         close_old_connections()
         save_inventory(node_name=node_name, result=result)
 
     @staticmethod
     async def _publish() -> None:
-        from hardware.events import publish_gpus
-
         await publish_gpus()

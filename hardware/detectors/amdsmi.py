@@ -99,14 +99,19 @@ class AmdSmiDetector(Detector):
                     asic=amdsmi.amdsmi_get_gpu_asic_info(handle),
                     vram=amdsmi.amdsmi_get_gpu_vram_usage(handle),
                     activity=optional(amdsmi.amdsmi_get_gpu_activity, handle),
-                    temperature=optional(
-                        amdsmi.amdsmi_get_temp_metric,
-                        handle,
-                        amdsmi.AmdSmiTemperatureType.HOTSPOT,
-                        amdsmi.AmdSmiTemperatureMetric.CURRENT,
-                    ),
+                    temperature=self._temperature(amdsmi, handle),
                     uuid=optional(amdsmi.amdsmi_get_gpu_device_uuid, handle),
                     driver=optional(amdsmi.amdsmi_get_gpu_driver_info, handle),
                 )
             )
         return gpus
+
+    @staticmethod
+    def _temperature(amdsmi: Any, handle: Any) -> Any:
+        """Hotspot (junction) temperature; edge where hotspot is not reported. MI300 has no edge sensor."""
+        for sensor in (amdsmi.AmdSmiTemperatureType.HOTSPOT, amdsmi.AmdSmiTemperatureType.EDGE):
+            try:
+                return amdsmi.amdsmi_get_temp_metric(handle, sensor, amdsmi.AmdSmiTemperatureMetric.CURRENT)
+            except Exception:
+                continue
+        return None

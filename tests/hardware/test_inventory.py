@@ -5,6 +5,7 @@ import asyncio
 
 import pytest
 
+from hardware import inventory
 from hardware.detectors import CpuDetector
 from hardware.detectors.base import DetectedGpu, Detector
 from hardware.inventory import InventoryWorker
@@ -96,3 +97,17 @@ def test_save_inventory_for_an_unknown_node_writes_nothing():
     with pytest.raises(Node.DoesNotExist):
         save_inventory(node_name="ghost", result=gpu_inventory(0))
     assert not GpuDevice.objects.exists()
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_backends_are_reprobed_every_few_refreshes(monkeypatch):
+    monkeypatch.setattr(inventory, "BACKEND_REPROBE_EVERY", 2)
+    await Node.objects.acreate(name="n2", address="127.0.0.1")
+    worker = InventoryWorker(chain=[CpuDetector()])
+    agent = NodeAgent(name="n2", address="127.0.0.1", workers=[])
+    await worker.start(agent)
+    await Node.objects.filter(name="n2").aupdate(backends=[])  # as if llama-cpp-python were installed later
+    await worker.refresh(agent)
+    assert (await Node.objects.aget(name="n2")).backends == []
+    await worker.refresh(agent)
+    assert "llama-cpp-python" in (await Node.objects.aget(name="n2")).backend_names

@@ -10,6 +10,7 @@ import pytest
 from hardware.detectors.amdsmi import AmdSmiDetector
 from hardware.detectors.base import DetectorUnavailable
 from hardware.detectors.cpu import cpu_percent, parse_proc_stat
+from hardware.detectors.nvml import NvmlDetector
 from tests.hardware import recorded
 
 REPO = Path(__file__).resolve().parents[2]
@@ -113,3 +114,53 @@ def test_hardware_never_imports_serving_or_hub_at_module_level():
                 names = [node.module]
             offenders += [f"{path.relative_to(REPO)}: {n}" for n in names if n.split(".")[0] in ("serving", "hub")]
     assert offenders == []
+
+
+# nvidia-ml-py's API on a two-GPU H100/H200 node; the H200 reports no utilization or temperature.
+STANDIN_PYNVML = """
+from types import SimpleNamespace
+NVML_TEMPERATURE_GPU = 0
+class NVMLError(Exception):
+    pass
+class NVMLError_NotSupported(NVMLError):
+    pass
+RECORDED = [
+    dict(name="NVIDIA H100 80GB HBM3", uuid="GPU-aaa", total=85520809984, used=569901056, util=37, temp=41, cc=(9, 0)),
+    dict(name="NVIDIA H200", uuid="GPU-bbb", total=150754820096, used=533659648, util=None, temp=None, cc=(9, 0)),
+]
+calls = []
+def nvmlInit(): calls.append("init")
+def nvmlShutdown(): calls.append("shutdown")
+def nvmlDeviceGetCount(): return len(RECORDED)
+def nvmlDeviceGetHandleByIndex(i): return RECORDED[i]
+def nvmlSystemGetDriverVersion(): return "560.35.03"
+def nvmlDeviceGetName(h): return h["name"]
+def nvmlDeviceGetUUID(h): return h["uuid"]
+def nvmlDeviceGetMemoryInfo(h): return SimpleNamespace(total=h["total"], used=h["used"], free=h["total"] - h["used"])
+def nvmlDeviceGetCudaComputeCapability(h): return h["cc"]
+def nvmlDeviceGetUtilizationRates(h):
+    if h["util"] is None:
+        raise NVMLError_NotSupported("Not Supported")
+    return SimpleNamespace(gpu=h["util"], memory=3)
+def nvmlDeviceGetTemperature(h, sensor):
+    assert sensor == NVML_TEMPERATURE_GPU
+    if h["temp"] is None:
+        raise NVMLError_NotSupported("Not Supported")
+    return h["temp"]
+"""
+
+
+def test_nvml_reads_every_gpu_and_tolerates_unsupported_metrics(tmp_path, monkeypatch):
+    (tmp_path / "pynvml.py").write_text(STANDIN_PYNVML)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "pynvml", raising=False)
+    try:
+        gpus = NvmlDetector().detect()
+        assert sys.modules["pynvml"].calls == ["init", "shutdown"]
+    finally:
+        sys.modules.pop("pynvml", None)  # the real pynvml is imported again by later tests
+    assert [(g.index, g.name, g.arch, g.memory_total_mib, g.utilization_pct, g.temperature_c, g.driver_version)
+            for g in gpus] == [
+        (0, "NVIDIA H100 80GB HBM3", "9.0", 81559, 37.0, 41.0, "560.35.03"),
+        (1, "NVIDIA H200", "9.0", 143771, None, None, "560.35.03"),
+    ]
