@@ -11,6 +11,7 @@ import importlib.util
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 from hardware.detectors.torch_cuda import torch_wheel_build
@@ -119,11 +120,18 @@ def probe_llama_cpp_python() -> dict:
         version = importlib.metadata.version("llama_cpp_python")
     except importlib.metadata.PackageNotFoundError:
         version = ""
+    # Imported in a child process: proves libllama loads here without putting it (or a crash
+    # of a mismatched GPU build) into the agent.
     try:
-        import llama_cpp  # noqa: F401  (loads libllama: proves the install works here)
-    except Exception as exc:
+        check = subprocess.run([sys.executable, "-c", "import llama_cpp"], capture_output=True, text=True,
+                               timeout=PROBE_TIMEOUT_S * 3, stdin=subprocess.DEVNULL, errors="replace")
+        failure = check.stderr.strip().splitlines()[-1] if check.returncode else ""
+        failure = failure or (f"exit code {check.returncode}" if check.returncode else "")
+    except subprocess.TimeoutExpired:
+        failure = "import timed out"
+    if failure:
         return backend_row("llama-cpp-python", available=False, version=version, path=str(package_dir),
-                           reason=f"llama-cpp-python: import failed: {exc.__class__.__name__}: {exc}")
+                           reason=f"llama-cpp-python: import failed: {failure}")
     libs = " ".join(p.name for p in (package_dir / "lib").glob("*"))
     return backend_row("llama-cpp-python", available=True, version=version, flavour=flavour_from_text(libs),
                        path=str(package_dir))

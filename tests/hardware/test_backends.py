@@ -83,3 +83,16 @@ def test_the_real_probe_here():
     assert lcp["version"].count(".") == 2 and os.path.isdir(lcp["path"])
     for row in rows:
         assert row["available"] or row["reason"].startswith(row["name"] + ":")
+
+
+def test_a_llama_cpp_python_that_cannot_load_its_library_is_unavailable(tmp_path, monkeypatch):
+    # What a CUDA build of llama-cpp-python does on a node without the CUDA runtime.
+    (tmp_path / "llama_cpp").mkdir()
+    (tmp_path / "llama_cpp" / "__init__.py").write_text(
+        'raise OSError("libcudart.so.12: cannot open shared object file: No such file or directory")\n')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    row = backends.probe_llama_cpp_python()
+    assert row["available"] is False and row["path"] == str(tmp_path / "llama_cpp")
+    assert row["reason"] == ("llama-cpp-python: import failed: OSError: libcudart.so.12: cannot open shared "
+                             "object file: No such file or directory")
