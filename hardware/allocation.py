@@ -63,20 +63,29 @@ class Overview:
         return sum(1 for c in self.cards if c.status == "online")
 
 
+def _holders_by_node(instances) -> dict[int, dict[int, Holder]]:
+    by_node: dict[int, dict[int, Holder]] = {}
+    for inst in instances:
+        for index in inst.gpus or []:
+            by_node.setdefault(inst.node_id, {})[int(index)] = Holder(id=inst.pk, model_name=inst.model_name,
+                                                                    state=inst.state)
+    return by_node
+
+
+def _active_instances():
+    from serving.models import ACTIVE_STATES, ModelInstance  # read-only lookup of the layer above
+
+    return ModelInstance.objects.filter(state__in=ACTIVE_STATES).only("id", "node_id", "gpus", "model_name", "state")
+
+
 def gpu_holders(node: Node) -> dict[int, Holder]:
     """GPU index -> the active instance holding it, for one node."""
-    from serving.models import ACTIVE_STATES  # read-only lookup of the layer above
-
-    holders: dict[int, Holder] = {}
-    for inst in node.instances.filter(state__in=ACTIVE_STATES).only("id", "gpus", "model_name", "state"):
-        for index in inst.gpus or []:
-            holders[int(index)] = Holder(id=inst.pk, model_name=inst.model_name, state=inst.state)
-    return holders
+    return _holders_by_node(_active_instances().filter(node=node)).get(node.pk, {})
 
 
-def node_card(node: Node) -> NodeCard:
+def node_card(node: Node, holders: dict[int, Holder] | None = None) -> NodeCard:
     """One node's card: its GPUs with holders and free memory."""
-    holders = gpu_holders(node)
+    holders = gpu_holders(node) if holders is None else holders
     rows = [GpuRow(gpu=g, holder=holders.get(g.index)) for g in node.gpus.all()]
     return NodeCard(
         node=node,
@@ -88,8 +97,8 @@ def node_card(node: Node) -> NodeCard:
 
 
 def overview() -> Overview:
-    """Every node's card and the count of active instances."""
-    from serving.models import ACTIVE_STATES, ModelInstance
-
-    cards = [node_card(node) for node in Node.objects.prefetch_related("gpus")]
-    return Overview(cards=cards, instances_active=ModelInstance.objects.filter(state__in=ACTIVE_STATES).count())
+    """Every node's card and the count of active instances, in three queries whatever the cluster size."""
+    instances = list(_active_instances())
+    by_node = _holders_by_node(instances)
+    cards = [node_card(node, by_node.get(node.pk, {})) for node in Node.objects.prefetch_related("gpus")]
+    return Overview(cards=cards, instances_active=len(instances))

@@ -70,3 +70,24 @@ def test_node_detail(as_viewer, gpu_node):
 
 def test_unknown_node_is_404(as_viewer):
     assert as_viewer.get("/nodes/nope/").status_code == 404
+
+
+def test_the_overview_costs_the_same_queries_for_one_node_or_twenty(django_assert_num_queries):
+    from hardware.allocation import overview
+    from tests.hardware.conftest import gpu_inventory
+
+    def add_node(i: int) -> None:
+        Node.objects.create(name=f"n{i:02}", address="10.0.0.1", last_heartbeat=timezone.now())
+        node = save_inventory(node_name=f"n{i:02}", result=gpu_inventory(*range(8)))
+        ModelInstance.objects.create(model_name=f"m{i}", model_path="gguf/m", backend="vllm", node=node,
+                                     gpus=[0, 1], state=InstanceState.READY)
+
+    add_node(0)
+    with django_assert_num_queries(3):  # instances, nodes, their GPUs
+        assert overview().gpu_count == 8
+    for i in range(1, 20):
+        add_node(i)
+    with django_assert_num_queries(3):
+        view = overview()
+        assert view.gpu_count == 160 and view.instances_active == 20
+        assert all(c.gpus[1].holder and c.gpus[2].holder is None for c in view.cards)
