@@ -18,7 +18,7 @@ from hardware.backends import probe_backends
 from hardware.detectors import DETECTORS, DetectionReport, Detector, detect
 from hardware.detectors.base import DetectorAttempt, DetectorUnavailable
 from hardware.detectors.cpu import cpu_percent, read_cpu_info, read_cpu_times
-from hardware.events import publish_gpus
+from hardware.events import publish_gpus, publish_node
 from hardware.services import save_inventory
 
 log = logging.getLogger("xgen.hardware")
@@ -75,7 +75,7 @@ class InventoryWorker:
         await sync_to_async(self._save)(agent.name, result)
         log.info("hardware on %s: detector %s, %d GPU(s), backends %s", agent.name, result.report.detector,
                  len(result.report.gpus), [b["name"] for b in result.backends or [] if b["available"]])
-        await self._publish()
+        await publish_gpus()
 
     async def run(self, agent: Any) -> None:
         """Refresh every HARDWARE_REFRESH_S until cancelled."""
@@ -95,7 +95,7 @@ class InventoryWorker:
         self._cpu_times = times
         self.report = result.report
         await sync_to_async(self._save)(agent.name, result)
-        await self._publish()
+        await publish_node(agent.name)
 
     async def stop(self, agent: Any) -> None:
         """Nothing to stop: the worker owns no process."""
@@ -105,7 +105,3 @@ class InventoryWorker:
     def _save(node_name: str, result: InventoryResult) -> None:
         close_old_connections()
         save_inventory(node_name=node_name, result=result)
-
-    @staticmethod
-    async def _publish() -> None:
-        await publish_gpus()

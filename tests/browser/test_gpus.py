@@ -21,10 +21,11 @@ def test_viewer_sees_the_cpu_node_and_its_backends(console, page):
     page.locator("#live-indicator").get_by_text("● live").wait_for()
     assert page.locator("#count-gpus").inner_text() == "0"
 
-    # The agent's next inventory refresh (every 10 s) replaces the cards over the websocket.
-    page.evaluate("document.getElementById('gpu-nodes').dataset.seen = 'before'")
-    page.wait_for_function("() => !document.getElementById('gpu-nodes').dataset.seen", timeout=30_000)
-    assert any('id="gpu-nodes" hx-swap-oob="true"' in f for f in frames)
+    # The agent's next inventory refresh (every 10 s) replaces its card over the websocket.
+    selector = ".node-card[data-node=test-node]"
+    page.evaluate(f"document.querySelector('{selector}').dataset.seen = 'before'")
+    page.wait_for_function(f"() => !document.querySelector('{selector}').dataset.seen", timeout=30_000)
+    assert any('class="card node-card"' in f and 'hx-swap-oob="true"' in f for f in frames)
     assert page.locator(".node-card[data-node=test-node] .cpu-only").is_visible()
 
     card.get_by_role("link", name="test-node").click()
