@@ -23,7 +23,7 @@ from django.db import connection  # noqa: E402
 from django.test.utils import CaptureQueriesContext  # noqa: E402
 from django.utils import timezone  # noqa: E402
 
-from hardware.events import render_gpu_nodes  # noqa: E402
+from hardware.events import render_gpu_nodes, render_node_update  # noqa: E402
 from hardware.models import Node  # noqa: E402
 from hardware.services import save_inventory  # noqa: E402
 from serving.models import ModelInstance  # noqa: E402
@@ -60,6 +60,15 @@ def main() -> None:
     print(f"20 nodes x 8 GPUs : {big_ms:6.2f} ms, {big_q} queries, {big_b / 1024:6.1f} KiB")
     print(f"ratio (20 nodes / 1 node): time {big_ms / base_ms:.1f}x, queries {big_q / base_q:.1f}x, "
           f"bytes {big_b / base_b:.1f}x")
+    times = []
+    for _ in range(30):
+        start = time.perf_counter()
+        update = render_node_update("node-07")
+        times.append((time.perf_counter() - start) * 1000)
+    size = sum(len(html.encode()) for _, html in update)
+    upd_ms = statistics.median(times)
+    print(f"one node's refresh fragments at 20 nodes: {upd_ms:6.2f} ms, {size / 1024:5.1f} KiB "
+          f"({upd_ms / big_ms:.2f}x the time, {size / big_b:.2f}x the bytes of the full list)")
 
 
 if __name__ == "__main__":
