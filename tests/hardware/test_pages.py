@@ -91,3 +91,10 @@ def test_the_overview_costs_the_same_queries_for_one_node_or_twenty(django_asser
         view = overview()
         assert view.gpu_count == 160 and view.instances_active == 20
         assert all(c.gpus[1].holder and c.gpus[2].holder is None for c in view.cards)
+
+
+def test_a_node_without_inventory_yet_is_not_called_a_cpu_node(as_viewer):
+    Node.objects.create(name="booting", address="10.0.0.9", last_heartbeat=timezone.now())
+    for url in ("/gpus/", "/nodes/booting/"):
+        html = as_viewer.get(url).content.decode()
+        assert "Hardware not reported yet" in html and "CPU node" not in html
