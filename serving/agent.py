@@ -17,6 +17,7 @@ from channels.layers import get_channel_layer
 from django.conf import settings
 from django.db import close_old_connections
 
+from hardware.inventory import InventoryWorker
 from hardware.services import record_heartbeat, register_node
 from hub.worker import HubWorker
 
@@ -50,7 +51,8 @@ class AgentWorker:
 def default_workers() -> list[AgentWorker]:
     """The explicit registry of what a node agent does, in start order."""
     workers: list[AgentWorker] = []
-    workers.append(HubWorker())
+    workers.append(InventoryWorker())  # hardware: GPUs, CPU/RAM and backends; refreshed live
+    workers.append(HubWorker())  # hub: store index, demo model, Hugging Face download jobs
     return workers
 
 
