@@ -20,7 +20,7 @@ from hub.schemas import (
 )
 from hub.store import StoreError
 from hub.views import cached_on_map
-from xgenconsole.auth import require_role
+from xgenconsole.auth import admin_auth, operator_auth, require_role
 from xgenconsole.errors import ApiError
 
 storage_router = Router()
@@ -73,7 +73,8 @@ def list_models(request: HttpRequest, query: Query[ModelQuery]):
     return {"items": items, "next": query.page + 1 if has_next else None}
 
 
-@storage_router.post("/refresh", response=RefreshOut, summary="Re-read the store into the index (operator+)")
+@storage_router.post("/refresh", response=RefreshOut, auth=operator_auth,
+                     summary="Re-read the store into the index (operator+)")
 def refresh(request: HttpRequest):
     require_role(request, "operator")
     try:
@@ -82,7 +83,7 @@ def refresh(request: HttpRequest):
         raise _store_failed(exc) from None
 
 
-@storage_router.delete("/models/{path:prefix}", response=DeletedOut, summary="Delete a model (admin)")
+@storage_router.delete("/models/{path:prefix}", response=DeletedOut, auth=admin_auth, summary="Delete a model (admin)")
 def delete_model(request: HttpRequest, prefix: str):
     require_role(request, "admin")
     try:
@@ -94,7 +95,8 @@ def delete_model(request: HttpRequest, prefix: str):
     return {"prefix": prefix.rstrip("/"), "deleted_objects": removed}
 
 
-@storage_router.post("/upload", response=ArtifactOut, summary="Upload a file or folder on the server (operator+)")
+@storage_router.post("/upload", response=ArtifactOut, auth=operator_auth,
+                     summary="Upload a file or folder on the server (operator+)")
 def upload(request: HttpRequest, body: UploadIn):
     require_role(request, "operator")
     try:
@@ -114,7 +116,8 @@ def _job_out(job: DownloadJob) -> dict:
     }
 
 
-@download_router.post("", response={202: DownloadJobOut}, summary="Start a Hugging Face download (operator+)")
+@download_router.post("", response={202: DownloadJobOut}, auth=operator_auth,
+                      summary="Start a Hugging Face download (operator+)")
 def start_download(request: HttpRequest, body: DownloadIn):
     user = require_role(request, "operator")
     try:
@@ -136,7 +139,8 @@ def get_download(request: HttpRequest, job_id: int):
     return _job_out(get_object_or_404(DownloadJob, pk=job_id))
 
 
-@download_router.post("/{job_id}/cancel", response=DownloadJobOut, summary="Cancel a download (operator+)")
+@download_router.post("/{job_id}/cancel", response=DownloadJobOut, auth=operator_auth,
+                      summary="Cancel a download (operator+)")
 def cancel_download(request: HttpRequest, job_id: int):
     require_role(request, "operator")
     job = get_object_or_404(DownloadJob, pk=job_id)
