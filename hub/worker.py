@@ -42,14 +42,10 @@ class HubWorker:
             await _fresh(ensure_demo_model)()
         except Exception:
             log.exception("could not put the demo model in the store")
-        try:
-            await _fresh(services.refresh_index)()
-        except Exception:
-            log.warning("store index refresh failed at start", exc_info=True)
 
     async def run(self, agent) -> None:
         loop = asyncio.get_running_loop()
-        next_refresh = loop.time() + INDEX_REFRESH_S
+        next_refresh = loop.time()  # the first pass indexes the store at once
         while True:
             while len(self._jobs) < MAX_PARALLEL_DOWNLOADS:
                 job = await _fresh(services.claim_next_job)(node_name=agent.name)
