@@ -174,6 +174,31 @@ def test_two_concurrent_syncs_transfer_once(counted):
         assert proxy.gets(f"/{PREFIX}/{name}") == 1, name
 
 
+def test_a_sync_in_another_process_and_one_here_transfer_once(counted, settings):
+    store, proxy = counted
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "xgenconsole.settings",
+           "XGEN_DATA_DIR": str(settings.MODELS_DIR.parent / "child-data"),
+           "XGEN_MODELS_DIR": str(settings.MODELS_DIR), "MINIO_ENDPOINT": proxy.endpoint,
+           "MINIO_ACCESS_KEY": "testing-access", "MINIO_SECRET_KEY": "testing-secret-key",
+           "MINIO_BUCKET": "xgen-test-models", "XGEN_CACHE_SYNC_WORKERS": "2"}
+    proc = subprocess.Popen([PYTHON, "-m", "tests.hub.sync_child", PREFIX, "0.05"], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in proc.stdout:  # the child holds the model lock once bytes flow
+            if line.startswith("progress") and int(line.split()[1]) > 0:
+                break
+        local = sync_to_cache(PREFIX, node_name="n1", store=store)  # waits for the child's lock
+        out = proc.stdout.read()
+    finally:
+        proc.wait(timeout=30)
+        proc.stdout.close()
+    assert proc.returncode == 0 and "done" in out
+    assert last_sync_stats[PREFIX].files_fetched == 0
+    for name, data in FILES.items():
+        assert proxy.gets(f"/{PREFIX}/{name}") == 1, name
+        assert (local / name).read_bytes() == data
+
+
 def test_a_verified_copy_loads_while_the_store_is_down(counted):
     from hub.store import StoreError
 
