@@ -1,0 +1,130 @@
+"""Inference usage: Prometheus metrics (exported at /metrics) and an in-process summary.
+
+Per model and instance: requests, errors, latency and tokens from the backend's `usage`.
+The summary is this process's view (each web process counts its own traffic).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, Histogram, generate_latest
+
+REQUESTS = Counter(
+    "xgen_inference_requests", "Inference requests answered by a backend",
+    ["model", "instance", "status"],
+)
+ERRORS = Counter(
+    "xgen_inference_errors", "Inference requests that failed (upstream error status or a broken connection)",
+    ["model", "instance", "reason"],
+)
+REJECTED = Counter(
+    "xgen_inference_rejected", "Inference requests the proxy answered itself (auth, bad body, no backend)",
+    ["code"],
+)
+LATENCY = Histogram(
+    "xgen_inference_duration_seconds", "Time from request to the last byte of the answer",
+    ["model", "instance"],
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
+)
+FIRST_BYTE = Histogram(
+    "xgen_inference_first_byte_seconds", "Time from request to the backend's response headers",
+    ["model", "instance"],
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+)
+TOKENS = Counter(
+    "xgen_inference_tokens", "Tokens reported by the backend's usage", ["model", "instance", "kind"],
+)
+
+RECENT = 512  # latencies kept per instance for the summary's percentiles
+
+
+@dataclass
+class InstanceUsage:
+    """Usage of one instance as seen by this process."""
+
+    model: str
+    instance_id: int
+    requests: int = 0
+    errors: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    latency_sum_s: float = 0.0
+    last_at: float = 0.0
+    recent_s: deque = field(default_factory=lambda: deque(maxlen=RECENT))
+
+
+_usage: dict[tuple[str, int], InstanceUsage] = {}
+_lock = threading.Lock()
+
+
+def record(*, model: str, instance_id: int, status: int, duration_s: float, first_byte_s: float | None,
+           prompt_tokens: int = 0, completion_tokens: int = 0, error: str | None = None) -> None:
+    """Count one request that reached a backend."""
+    inst = str(instance_id)
+    REQUESTS.labels(model, inst, str(status)).inc()
+    LATENCY.labels(model, inst).observe(duration_s)
+    if first_byte_s is not None:
+        FIRST_BYTE.labels(model, inst).observe(first_byte_s)
+    failed = error is not None or status >= 400
+    if failed:
+        ERRORS.labels(model, inst, error or f"status_{status}").inc()
+    if prompt_tokens:
+        TOKENS.labels(model, inst, "prompt").inc(prompt_tokens)
+    if completion_tokens:
+        TOKENS.labels(model, inst, "completion").inc(completion_tokens)
+    with _lock:
+        usage = _usage.get((model, instance_id))
+        if usage is None:
+            usage = _usage[(model, instance_id)] = InstanceUsage(model=model, instance_id=instance_id)
+        usage.requests += 1
+        usage.errors += int(failed)
+        usage.prompt_tokens += prompt_tokens
+        usage.completion_tokens += completion_tokens
+        usage.latency_sum_s += duration_s
+        usage.last_at = time.time()
+        usage.recent_s.append(duration_s)
+
+
+def record_rejected(code: str) -> None:
+    """Count a request the proxy answered without a backend."""
+    REJECTED.labels(code).inc()
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def usage_summary(*, instance_id: int | None = None, model: str | None = None) -> list[dict]:
+    """Rows for the instance page: requests, errors, tokens and latency (ms) per model and instance."""
+    with _lock:
+        items = [
+            (u, list(u.recent_s)) for u in _usage.values()
+            if (instance_id is None or u.instance_id == instance_id) and (model is None or u.model == model)
+        ]
+    rows = []
+    for u, recent in sorted(items, key=lambda item: (item[0].model, item[0].instance_id)):
+        p50, p99 = _percentile(recent, 0.5), _percentile(recent, 0.99)
+        rows.append({
+            "model": u.model,
+            "instance_id": u.instance_id,
+            "requests": u.requests,
+            "errors": u.errors,
+            "prompt_tokens": u.prompt_tokens,
+            "completion_tokens": u.completion_tokens,
+            "mean_ms": round(1000 * u.latency_sum_s / u.requests, 1) if u.requests else None,
+            "p50_ms": round(1000 * p50, 1) if p50 is not None else None,
+            "p99_ms": round(1000 * p99, 1) if p99 is not None else None,
+            "last_at": u.last_at,
+        })
+    return rows
+
+
+def render_metrics() -> tuple[bytes, str]:
+    """The Prometheus text exposition of this process, and its content type."""
+    return generate_latest(REGISTRY), CONTENT_TYPE_LATEST

@@ -1,0 +1,150 @@
+"""Fixtures for the proxy tests: a real console process, real llama.cpp backends, and READY rows.
+
+The rows are written into the console's own database with `manage.py shell` (setting state,
+as the node agent would), on a node of their own so the console's agent never manages them.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import Console, LlamaServer, start_console
+from tests.procs import PYTHON, free_port, stop_process, wait_http
+
+BACKEND_NODE = "gpu-b"
+
+
+@dataclass
+class ProxyConsole:
+    console: Console
+    key: str
+
+    @property
+    def url(self) -> str:
+        return self.console.url
+
+    @property
+    def auth(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.key}"}
+
+    def set_instances(self, rows: list[dict], *, node_fresh: bool = True) -> list[int]:
+        """Replace every instance on the backend node with `rows` ({name, port, type?, state?}); their ids."""
+        code = f"""
+import json
+from datetime import timedelta
+from django.utils import timezone
+from hardware.models import Node
+from serving.models import ModelInstance
+rows = json.loads({json.dumps(json.dumps(rows))})
+beat = timezone.now() if {node_fresh} else timezone.now() - timedelta(days=1)
+node, _ = Node.objects.update_or_create(name={BACKEND_NODE!r}, defaults={{"address": "127.0.0.1", "last_heartbeat": beat}})
+ModelInstance.objects.filter(node=node).delete()
+ids = []
+for row in rows:
+    inst = ModelInstance.objects.create(
+        model_name=row["name"], model_path="/models/tiny.gguf", type=row.get("type", "llm"),
+        backend="llama-cpp-python", node=node, port=row["port"], state=row.get("state", "READY"),
+        ready_at=timezone.now())
+    ids.append(inst.pk)
+print(json.dumps(ids))
+"""
+        out = self.console.manage("shell", "-c", code)
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    def wait_models(self, expected: set[str], *, timeout: float = 10.0) -> dict:
+        """Poll /v1/models until it lists exactly `expected` (READY changes show within ~1 s)."""
+        import time
+
+        deadline = time.monotonic() + timeout
+        while True:
+            listing = httpx.get(f"{self.url}/v1/models", headers=self.auth).json()
+            if {m["id"] for m in listing["data"]} == expected or time.monotonic() > deadline:
+                return listing
+            time.sleep(0.1)
+
+
+def _start_console(tmp_path_factory, server: str) -> Iterator[ProxyConsole]:
+    console = start_console(
+        tmp_path_factory.mktemp(f"proxy-console-{server}"), server=server,
+        # The backend node's heartbeat is written once by the test; keep it fresh for the module.
+        extra_env={"XGEN_NODE_STALE_AFTER": "3600", "XGEN_NODE_OFFLINE_AFTER": "7200"},
+    )
+    try:
+        console.manage("createuser", "--username", "vera", "--role", "viewer", "--password", "vera-pass-123")
+        key = console.manage("createapikey", "--username", "vera").stdout.strip().splitlines()[-1]
+        yield ProxyConsole(console=console, key=key)
+    finally:
+        code = stop_process(console.proc, timeout=30)
+    assert code == 0, f"console exited with {code}:\n{console.log[-3000:]}"
+
+
+@pytest.fixture(scope="module")
+def proxy_console(tmp_path_factory) -> Iterator[ProxyConsole]:
+    """A real `manage.py serve` (daphne) with a viewer's API key."""
+    yield from _start_console(tmp_path_factory, "daphne")
+
+
+@pytest.fixture(scope="module")
+def proxy_console_uvicorn(tmp_path_factory) -> Iterator[ProxyConsole]:
+    """A real `manage.py serve --server uvicorn` with a viewer's API key."""
+    yield from _start_console(tmp_path_factory, "uvicorn")
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf_b(tmp_path_factory) -> Path:
+    """A second tiny model with other weights: its greedy output differs from tiny_gguf's."""
+    from hub.demo import write_tiny_llama_gguf
+
+    return write_tiny_llama_gguf(tmp_path_factory.mktemp("models-b") / "tiny-llama-b.gguf", seed=1)
+
+
+class BackendPool:
+    """Real llama-cpp-python servers for a module; `log(server)` is its access log."""
+
+    def __init__(self, tiny_gguf: Path, log_dir: Path) -> None:
+        self.tiny_gguf = tiny_gguf
+        self.log_dir = log_dir
+        self.servers: list[LlamaServer] = []
+
+    def start(self, alias: str, *, embedding: bool = False, model: Path | None = None) -> LlamaServer:
+        port = free_port()
+        cmd = [PYTHON, "-m", "llama_cpp.server", "--model", str(model or self.tiny_gguf), "--host", "127.0.0.1",
+               "--port", str(port), "--model_alias", alias, "--n_ctx", "512", "--verbose", "false"]
+        if embedding:
+            cmd += ["--embedding", "true"]
+        with open(self.log_dir / f"llama-{port}.log", "wb") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        server = LlamaServer(proc=proc, port=port, alias=alias)
+        self.servers.append(server)
+        wait_http(f"{server.base_url}/v1/models", timeout=60, proc=proc)
+        return server
+
+    def log(self, server: LlamaServer) -> str:
+        return (self.log_dir / f"llama-{server.port}.log").read_text(errors="replace")
+
+    def stop_all(self) -> None:
+        for server in self.servers:
+            stop_process(server.proc)
+
+
+@pytest.fixture(scope="module")
+def backends(tiny_gguf, tmp_path_factory) -> Iterator[BackendPool]:
+    pool = BackendPool(tiny_gguf, tmp_path_factory.mktemp("llama-logs"))
+    yield pool
+    pool.stop_all()
+
+
+@pytest.fixture
+def sse_lines() -> Callable[[httpx.Response], Iterator[str]]:
+    def lines(response: httpx.Response) -> Iterator[str]:
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                yield line[len("data: "):]
+
+    return lines
