@@ -421,7 +421,11 @@ class UpstreamReply:
 
 def forward_headers(raw: list[tuple[bytes, bytes]], request_id: str) -> list[tuple[str, str]]:
     """The caller's headers minus hop-by-hop, Host, auth and cookies; plus X-Request-ID."""
-    out = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in raw if k.lower() not in DROP_REQUEST_HEADERS]
+    drop = DROP_REQUEST_HEADERS
+    for name, value in raw:
+        if name == b"connection":  # headers it lists are hop-by-hop too
+            drop = drop | {token.strip().lower() for token in value.split(b",")}
+    out = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in raw if k.lower() not in drop]
     out.append(("X-Request-ID", request_id))
     return out
 

@@ -18,6 +18,7 @@ from tests.conftest import Console, LlamaServer, start_console
 from tests.procs import PYTHON, free_port, stop_process, wait_http
 
 BACKEND_NODE = "gpu-b"
+PROXY_MAX_BODY = 65536
 
 
 @dataclass
@@ -73,7 +74,8 @@ def _start_console(tmp_path_factory, server: str) -> Iterator[ProxyConsole]:
     console = start_console(
         tmp_path_factory.mktemp(f"proxy-console-{server}"), server=server,
         # The backend node's heartbeat is written once by the test; keep it fresh for the module.
-        extra_env={"XGEN_NODE_STALE_AFTER": "3600", "XGEN_NODE_OFFLINE_AFTER": "7200"},
+        extra_env={"XGEN_NODE_STALE_AFTER": "3600", "XGEN_NODE_OFFLINE_AFTER": "7200",
+                   "XGEN_PROXY_MAX_BODY": str(PROXY_MAX_BODY)},
     )
     try:
         console.manage("createuser", "--username", "vera", "--role", "viewer", "--password", "vera-pass-123")
@@ -82,6 +84,7 @@ def _start_console(tmp_path_factory, server: str) -> Iterator[ProxyConsole]:
     finally:
         code = stop_process(console.proc, timeout=30)
     assert code == 0, f"console exited with {code}:\n{console.log[-3000:]}"
+    assert "proxy failed" not in console.log, console.log[-5000:]  # never an unexpected error in the proxy
 
 
 @pytest.fixture(scope="module")
@@ -148,3 +151,79 @@ def sse_lines() -> Callable[[httpx.Response], Iterator[str]]:
                 yield line[len("data: "):]
 
     return lines
+
+
+# ---------------------------------------------------------------- an echo backend
+class EchoBackend:
+    """A tiny OpenAI-shaped HTTP server (aiohttp, in a thread) that reports what it received.
+
+    POST /v1/chat/completions answers JSON with the request's headers and a fixed usage;
+    with "stream": true an SSE stream whose last chunk carries usage. POST /v1/completions
+    drops the connection without answering.
+    """
+
+    def __init__(self) -> None:
+        import asyncio
+        import threading
+
+        self.port = free_port()
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        assert self._ready.wait(10)
+
+    def _run(self) -> None:
+        import asyncio
+
+        from aiohttp import web
+
+        async def chat(request: web.Request) -> web.StreamResponse:
+            body = await request.json()
+            seen = {k.lower(): v for k, v in request.headers.items()}
+            usage = {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
+            if body.get("stream"):
+                response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+                await response.prepare(request)
+                for i in range(3):
+                    chunk = {"object": "chat.completion.chunk", "choices": [{"delta": {"content": str(i)}}],
+                             "usage": None}
+                    await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+                final = {"object": "chat.completion.chunk", "choices": [], "usage": usage}
+                await response.write(b"data: " + json.dumps(final).encode() + b"\n\ndata: [DONE]\n\n")
+                await response.write_eof()
+                return response
+            return web.json_response(
+                {"object": "chat.completion", "headers": seen, "body": body, "usage": usage},
+                headers={"X-Backend": "echo", "Set-Cookie": "backend=1"},
+            )
+
+        async def drop(request: web.Request) -> web.Response:
+            request.transport.close()  # gone before a single byte of an answer
+            return web.Response()
+
+        async def main() -> None:
+            app = web.Application()
+            app.router.add_post("/v1/chat/completions", chat)
+            app.router.add_post("/v1/completions", drop)
+            self._runner = web.AppRunner(app, access_log=None)
+            await self._runner.setup()
+            await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
+            self._ready.set()
+
+        asyncio.set_event_loop(self._loop)
+        self._loop.run_until_complete(main())
+        self._loop.run_forever()
+        self._loop.run_until_complete(self._runner.cleanup())
+        self._loop.close()
+
+    def stop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def echo_backend() -> Iterator[EchoBackend]:
+    echo = EchoBackend()
+    yield echo
+    echo.stop()
