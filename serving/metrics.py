@@ -9,6 +9,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, Histogram, generate_latest
 
@@ -52,6 +53,8 @@ class InstanceUsage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     latency_sum_s: float = 0.0
+    first_byte_sum_s: float = 0.0
+    first_byte_count: int = 0
     last_at: float = 0.0
     recent_s: deque = field(default_factory=lambda: deque(maxlen=RECENT))
 
@@ -84,6 +87,9 @@ def record(*, model: str, instance_id: int, status: int, duration_s: float, firs
         usage.prompt_tokens += prompt_tokens
         usage.completion_tokens += completion_tokens
         usage.latency_sum_s += duration_s
+        if first_byte_s is not None:
+            usage.first_byte_sum_s += first_byte_s
+            usage.first_byte_count += 1
         usage.last_at = time.time()
         usage.recent_s.append(duration_s)
 
@@ -101,7 +107,11 @@ def _percentile(values: list[float], q: float) -> float | None:
 
 
 def usage_summary(*, instance_id: int | None = None, model: str | None = None) -> list[dict]:
-    """Rows for the instance page: requests, errors, tokens and latency (ms) per model and instance."""
+    """Rows for the instance page: requests, errors, tokens and latency (ms) per model and instance,
+    plus the requests in flight now (this process's counts)."""
+    from serving.routing_table import routing_table
+
+    in_flight = routing_table.in_flight_by_instance()
     with _lock:
         items = [
             (u, list(u.recent_s)) for u in _usage.values()
@@ -117,10 +127,13 @@ def usage_summary(*, instance_id: int | None = None, model: str | None = None) -
             "errors": u.errors,
             "prompt_tokens": u.prompt_tokens,
             "completion_tokens": u.completion_tokens,
+            "in_flight": in_flight.get(u.instance_id, 0),
             "mean_ms": round(1000 * u.latency_sum_s / u.requests, 1) if u.requests else None,
+            "first_byte_ms": (round(1000 * u.first_byte_sum_s / u.first_byte_count, 1)
+                              if u.first_byte_count else None),
             "p50_ms": round(1000 * p50, 1) if p50 is not None else None,
             "p99_ms": round(1000 * p99, 1) if p99 is not None else None,
-            "last_at": u.last_at,
+            "last_at": datetime.fromtimestamp(u.last_at, tz=UTC) if u.last_at else None,
         })
     return rows
 

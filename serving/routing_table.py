@@ -136,6 +136,13 @@ class RoutingTable:
         self._loaded_at = time.monotonic()
         return snap
 
+    def in_flight_by_instance(self) -> dict[int, int]:
+        """Requests in flight per instance id, in this process."""
+        counts: dict[int, int] = {}
+        for backend in list(self._backends.values()):
+            counts[backend.instance_id] = counts.get(backend.instance_id, 0) + backend.in_flight
+        return counts
+
     def order(self, candidates: list[Backend]) -> list[Backend]:
         """Candidates in the order to try: up before down, then fewest in flight.
 
