@@ -40,6 +40,7 @@ TOKENS = Counter(
 )
 
 RECENT = 512  # latencies kept per instance for the summary's percentiles
+CLIENT_GONE = 499  # recorded for a client that left mid-answer: not the backend's error
 
 
 @dataclass
@@ -57,6 +58,14 @@ class InstanceUsage:
     first_byte_count: int = 0
     last_at: float = 0.0
     recent_s: deque = field(default_factory=lambda: deque(maxlen=RECENT))
+    series: dict = field(default_factory=dict)  # labelled Prometheus children, looked up once
+
+    def __post_init__(self) -> None:
+        inst = str(self.instance_id)
+        self.series.update(
+            latency=LATENCY.labels(self.model, inst), first_byte=FIRST_BYTE.labels(self.model, inst),
+            prompt=TOKENS.labels(self.model, inst, "prompt"), completion=TOKENS.labels(self.model, inst, "completion"),
+        )
 
 
 _usage: dict[tuple[str, int], InstanceUsage] = {}
@@ -66,22 +75,26 @@ _lock = threading.Lock()
 def record(*, model: str, instance_id: int, status: int, duration_s: float, first_byte_s: float | None,
            prompt_tokens: int = 0, completion_tokens: int = 0, error: str | None = None) -> None:
     """Count one request that reached a backend."""
-    inst = str(instance_id)
-    REQUESTS.labels(model, inst, str(status)).inc()
-    LATENCY.labels(model, inst).observe(duration_s)
-    if first_byte_s is not None:
-        FIRST_BYTE.labels(model, inst).observe(first_byte_s)
-    failed = error is not None or status >= 400
-    if failed:
-        ERRORS.labels(model, inst, error or f"status_{status}").inc()
-    if prompt_tokens:
-        TOKENS.labels(model, inst, "prompt").inc(prompt_tokens)
-    if completion_tokens:
-        TOKENS.labels(model, inst, "completion").inc(completion_tokens)
     with _lock:
         usage = _usage.get((model, instance_id))
         if usage is None:
             usage = _usage[(model, instance_id)] = InstanceUsage(model=model, instance_id=instance_id)
+    series = usage.series
+    requests = series.get(status)
+    if requests is None:
+        requests = series[status] = REQUESTS.labels(model, str(instance_id), str(status))
+    requests.inc()
+    series["latency"].observe(duration_s)
+    if first_byte_s is not None:
+        series["first_byte"].observe(first_byte_s)
+    failed = error is not None or (status >= 400 and status != CLIENT_GONE)
+    if failed:
+        ERRORS.labels(model, str(instance_id), error or f"status_{status}").inc()
+    if prompt_tokens:
+        series["prompt"].inc(prompt_tokens)
+    if completion_tokens:
+        series["completion"].inc(completion_tokens)
+    with _lock:
         usage.requests += 1
         usage.errors += int(failed)
         usage.prompt_tokens += prompt_tokens

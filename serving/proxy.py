@@ -408,7 +408,7 @@ class UpstreamReply:
                 tokens[kind] = int(value)  # the last occurrence wins (a stream's final chunk)
         metrics.record(
             model=self.backend.model_name, instance_id=self.backend.instance_id,
-            status=499 if cancelled else self.status,
+            status=metrics.CLIENT_GONE if cancelled else self.status,
             duration_s=time.perf_counter() - self.started, first_byte_s=self.first_byte_s,
             prompt_tokens=tokens.get(b"prompt_tokens", 0), completion_tokens=tokens.get(b"completion_tokens", 0),
             error=error,

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import pytest
 
 # The grammar keeps the tiny model's output ASCII: random byte tokens would otherwise make
 # llama.cpp hold back text (incomplete UTF-8) and release it in one burst at the end.
-LONG = {"prompt": "once upon a time", "max_tokens": 400, "temperature": 0, "seed": 3, "stream": True,
+LONG = {"prompt": "once upon a time", "max_tokens": 480, "temperature": 0, "seed": 3, "stream": True,
         "grammar": "root ::= [a-z ]+"}
 
 
@@ -66,8 +67,6 @@ def test_chunks_arrive_as_the_backend_produces_them(console, backends):
     # Not buffered: through the proxy the chunks spread over the generation like the backend's own,
     # so the first one reaches the client long before the backend has finished.
     assert proxy_t[-1] - proxy_t[0] > 0.5 * direct_spread, (proxy_t[0], proxy_t[-1], direct_spread)
-    middle = proxy_t[len(proxy_t) // 2]
-    assert middle - proxy_t[0] > 0.25 * direct_spread and proxy_t[-1] - middle > 0.25 * direct_spread
 
 
 def test_a_client_that_disconnects_stops_the_backend(console, backends):
@@ -93,6 +92,9 @@ def test_a_client_that_disconnects_stops_the_backend(console, backends):
         time.sleep(0.05)
     assert _established_to(server.port) == 0
     assert _in_flight(console, "long") == 0
+    metrics = httpx.get(f"{console.url}/metrics", headers=console.auth).text
+    assert re.search(r'xgen_inference_requests_total\{instance="\d+",model="long",status="499"\} 1\.0', metrics)
+    assert 'xgen_inference_errors_total{instance' not in metrics  # a client leaving is not a backend error
     # The backend serves one request at a time: it answers at once only if it stopped generating.
     start = time.perf_counter()
     quick = httpx.post(f"{server.base_url}/v1/completions", json={"prompt": "a", "max_tokens": 1}, timeout=60)
