@@ -78,13 +78,15 @@ class ProxyError(Exception):
 
 # ---------------------------------------------------------------- the pooled client
 _client: aiohttp.ClientSession | None = None
+_client_loop: asyncio.AbstractEventLoop | None = None
 
 
 def client() -> aiohttp.ClientSession:
     """The process's one pooled HTTP client, created lazily in the running loop."""
-    global _client
+    global _client, _client_loop
     loop = asyncio.get_running_loop()
-    if _client is None or _client.closed or _client._loop is not loop:
+    if _client is None or _client.closed or _client_loop is not loop:
+        _client_loop = loop
         connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30, ttl_dns_cache=60)
         _client = aiohttp.ClientSession(
             connector=connector,
@@ -285,6 +287,8 @@ def parse_body(body: bytes) -> dict:
         payload = json.loads(body)
     except (ValueError, UnicodeDecodeError):
         raise ProxyError(400, "The request body is not valid JSON.", code="invalid_json") from None
+    except RecursionError:
+        raise ProxyError(400, "The request body nests too deeply.", code="invalid_json") from None
     if not isinstance(payload, dict):
         raise ProxyError(400, "The request body must be a JSON object.", code="invalid_request")
     return payload
@@ -438,18 +442,34 @@ async def open_upstream(*, path: str, query: bytes, body: bytes, candidates: lis
     fwd = forward_headers(headers, request_id)
     session = client()
     last_exc: Exception | None = None
-    for backend in routing_table.order(candidates):
+    attempts = routing_table.order(candidates)
+    retried: set[int] = set()
+    while attempts:
+        backend = attempts.pop(0)
         backend.in_flight += 1
         started = time.perf_counter()
         try:
             response = await session.post(backend.base_url + upstream_path + suffix, data=body, headers=fwd)
-        except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError) as exc:
-            # Refused (or closed) before it answered anything: this replica is gone, try the next.
+        except aiohttp.ClientConnectorError as exc:
+            # Refused before a byte was sent: this replica is gone, try the next.
             backend.in_flight -= 1
             backend.mark_down()
             last_exc = exc
             metrics.record(model=backend.model_name, instance_id=backend.instance_id, status=502,
                            duration_s=time.perf_counter() - started, first_byte_s=None, error="connect")
+            continue
+        except aiohttp.ServerDisconnectedError as exc:
+            # Closed before answering; most often a pooled connection to a backend that restarted:
+            # one more try on a fresh connection tells a restart from a dead replica.
+            backend.in_flight -= 1
+            last_exc = exc
+            if id(backend) not in retried:
+                retried.add(id(backend))
+                attempts.insert(0, backend)
+            else:
+                backend.mark_down()
+                metrics.record(model=backend.model_name, instance_id=backend.instance_id, status=502,
+                               duration_s=time.perf_counter() - started, first_byte_s=None, error="connect")
             continue
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             backend.in_flight -= 1

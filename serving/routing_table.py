@@ -150,7 +150,7 @@ class RoutingTable:
         """
         n = len(candidates)
         if n == 1:
-            return candidates
+            return [candidates[0]]  # a new list: callers consume it
         start = next(self._turn) % n
         rotated = candidates[start:] + candidates[:start]
         now = time.monotonic()

@@ -115,13 +115,14 @@ class BackendPool:
         self.log_dir = log_dir
         self.servers: list[LlamaServer] = []
 
-    def start(self, alias: str, *, embedding: bool = False, model: Path | None = None) -> LlamaServer:
-        port = free_port()
+    def start(self, alias: str, *, embedding: bool = False, model: Path | None = None,
+              port: int | None = None) -> LlamaServer:
+        port = port or free_port()
         cmd = [PYTHON, "-m", "llama_cpp.server", "--model", str(model or self.tiny_gguf), "--host", "127.0.0.1",
                "--port", str(port), "--model_alias", alias, "--n_ctx", "512", "--verbose", "false"]
         if embedding:
             cmd += ["--embedding", "true"]
-        with open(self.log_dir / f"llama-{port}.log", "wb") as log:
+        with open(self.log_dir / f"llama-{port}.log", "ab") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         server = LlamaServer(proc=proc, port=port, alias=alias)
         self.servers.append(server)

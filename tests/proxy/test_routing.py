@@ -94,3 +94,17 @@ def test_without_a_model_the_path_type_decides(proxy_console, two_llms, backends
     assert r.status_code == 503
     assert r.json() == {"error": {"message": "No llm model is ready.", "type": "service_unavailable",
                                   "code": "no_backend"}}
+
+
+def test_a_backend_restarted_on_the_same_port_is_used_again(proxy_console, backends):
+    first = backends.start("phoenix")
+    proxy_console.set_instances([{"name": "phoenix", "port": first.port}])
+    proxy_console.wait_models({"phoenix"})
+    assert _complete(proxy_console.url, proxy_console.auth, model="phoenix", max_tokens=1).status_code == 200
+    first.proc.kill()
+    first.proc.wait()
+    down = _complete(proxy_console.url, proxy_console.auth, model="phoenix", max_tokens=1)
+    assert down.status_code == 502 and down.json()["error"]["code"] == "upstream_unreachable"
+    again = backends.start("phoenix", port=first.port)  # the proxy's pooled connection is stale now
+    assert again.port == first.port
+    assert _complete(proxy_console.url, proxy_console.auth, model="phoenix", max_tokens=1).status_code == 200
