@@ -85,6 +85,7 @@ def _start_console(tmp_path_factory, server: str) -> Iterator[ProxyConsole]:
         code = stop_process(console.proc, timeout=30)
     assert code == 0, f"console exited with {code}:\n{console.log[-3000:]}"
     assert "proxy failed" not in console.log, console.log[-5000:]  # never an unexpected error in the proxy
+    assert "Unclosed" not in console.log, console.log[-5000:]  # the pooled client is closed at shutdown
 
 
 @pytest.fixture(scope="module")
