@@ -36,13 +36,35 @@ def test_requests_go_to_the_backend_named_by_model(proxy_console, two_llms):
 def test_replicas_share_traffic_and_a_killed_replica_is_skipped(proxy_console, backends):
     one = backends.start("gamma")
     two = backends.start("gamma")
-    proxy_console.set_instances([{"name": "gamma", "port": one.port}, {"name": "gamma", "port": two.port}])
+    ids = proxy_console.set_instances([{"name": "gamma", "port": one.port}, {"name": "gamma", "port": two.port}])
     listing = proxy_console.wait_models({"gamma"})
     assert listing["data"][0]["replicas"] == 2
     for _ in range(10):
         assert _complete(proxy_console.url, proxy_console.auth, model="gamma", max_tokens=1).status_code == 200
     served = [backends.log(s).count('"POST /v1/completions HTTP/1.1" 200') for s in (one, two)]
     assert sum(served) == 10 and min(served) >= 3, served  # both replicas took traffic (the backends' own logs)
+
+    # Least outstanding requests: while one replica streams, short requests all go to the other.
+    def counts():
+        return [backends.log(s).count('"POST /v1/completions HTTP/1.1" 200') for s in (one, two)]
+
+    def in_flight():
+        listing = httpx.get(f"{proxy_console.url}/v1/models", headers=proxy_console.auth).json()
+        by_port = {i["id"]: i["in_flight"] for i in listing["data"][0]["instances"]}
+        return [by_port[ids[0]], by_port[ids[1]]]
+
+    before = counts()
+    with httpx.stream("POST", f"{proxy_console.url}/v1/completions", headers=proxy_console.auth,
+                      json={"prompt": "a", "model": "gamma", "max_tokens": 480, "temperature": 0, "stream": True},
+                      timeout=60) as r:
+        lines = r.iter_lines()
+        next(lines)
+        busy = [a - b for a, b in zip(counts(), before, strict=True)].index(1)
+        for _ in range(4):
+            assert _complete(proxy_console.url, proxy_console.auth, model="gamma", max_tokens=1).status_code == 200
+        after = counts()
+        assert in_flight() == [1 - busy, busy]  # the stream was still running throughout
+    assert after[busy] == before[busy] + 1 and after[1 - busy] == before[1 - busy] + 4, (before, after)
 
     two.proc.kill()
     two.proc.wait()
