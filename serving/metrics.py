@@ -39,6 +39,28 @@ TOKENS = Counter(
     "xgen_inference_tokens", "Tokens reported by the backend's usage", ["model", "instance", "kind"],
 )
 
+
+
+class InFlightCollector:
+    """`xgen_inference_in_flight{model,instance}`: requests open to each backend now (this process)."""
+
+    def collect(self):
+        from prometheus_client.core import GaugeMetricFamily
+
+        from serving.routing_table import routing_table
+
+        family = GaugeMetricFamily("xgen_inference_in_flight", "Requests open to a backend now",
+                                   labels=["model", "instance"])
+        for backend in routing_table.backends():
+            family.add_metric([backend.model_name, str(backend.instance_id)], backend.in_flight)
+        yield family
+
+    def describe(self):
+        return []
+
+
+REGISTRY.register(InFlightCollector())
+
 RECENT = 512  # latencies kept per instance for the summary's percentiles
 CLIENT_GONE = 499  # recorded for a client that left mid-answer: not the backend's error
 

@@ -136,6 +136,10 @@ class RoutingTable:
         self._loaded_at = time.monotonic()
         return snap
 
+    def backends(self) -> list[Backend]:
+        """Every backend of the current table."""
+        return list(self._backends.values())
+
     def in_flight_by_instance(self) -> dict[int, int]:
         """Requests in flight per instance id, in this process."""
         counts: dict[int, int] = {}

@@ -117,10 +117,10 @@ class BackendPool:
         self.servers: list[LlamaServer] = []
 
     def start(self, alias: str, *, embedding: bool = False, model: Path | None = None,
-              port: int | None = None) -> LlamaServer:
+              port: int | None = None, n_ctx: int = 512) -> LlamaServer:
         port = port or free_port()
         cmd = [PYTHON, "-m", "llama_cpp.server", "--model", str(model or self.tiny_gguf), "--host", "127.0.0.1",
-               "--port", str(port), "--model_alias", alias, "--n_ctx", "512", "--verbose", "false"]
+               "--port", str(port), "--model_alias", alias, "--n_ctx", str(n_ctx), "--verbose", "false"]
         if embedding:
             cmd += ["--embedding", "true"]
         with open(self.log_dir / f"llama-{port}.log", "ab") as log:
