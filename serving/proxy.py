@@ -333,7 +333,6 @@ class UpstreamReply:
     started: float
     first_byte_s: float
     request_id: str
-    broken: bool = False  # the backend broke off mid-body
     _finished: bool = False
 
     @property
@@ -386,7 +385,6 @@ class UpstreamReply:
             clean = True
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             log.warning("backend %s broke off request %s: %s", self.backend.base_url, self.request_id, exc)
-            self.broken = True
             self.finish(error="upstream_broken")
             if sse:
                 err = error_body(f"The backend stopped before finishing this answer ({exc.__class__.__name__}).",
@@ -624,8 +622,8 @@ async def _forward(scope, receive, send, *, path: str, body: bytes, candidates: 
         async for chunk in stream:
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
         flags["done"] = True
-        if reply.broken and not reply.is_sse:
-            return  # left incomplete on purpose: the server drops the connection, the client sees a cut body
+        # A JSON body the backend cut off ends here too: daphne would hang on an unfinished response,
+        # and the truncated JSON already tells the client it is broken.
         await send({"type": "http.response.body", "body": b"", "more_body": False})
     except asyncio.CancelledError:
         if not flags["gone"]:

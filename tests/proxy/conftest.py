@@ -161,7 +161,7 @@ class EchoBackend:
 
     POST /v1/chat/completions answers JSON with the request's headers and a fixed usage;
     with "stream": true an SSE stream whose last chunk carries usage. POST /v1/completions
-    drops the connection without answering.
+    drops the connection without answering; POST /v1/embeddings breaks off halfway through its JSON.
     """
 
     def __init__(self) -> None:
@@ -204,8 +204,17 @@ class EchoBackend:
             request.transport.close()  # gone before a single byte of an answer
             return web.Response()
 
+        async def cut(request: web.Request) -> web.StreamResponse:
+            response = web.StreamResponse(headers={"Content-Type": "application/json"})
+            await response.prepare(request)
+            await response.write(b'{"object": "list", "data": [{"embedding": [0.1, ')
+            await asyncio.sleep(0.05)
+            request.transport.close()  # dies halfway through the JSON
+            return response
+
         async def main() -> None:
             app = web.Application()
+            app.router.add_post("/v1/embeddings", cut)
             app.router.add_post("/v1/chat/completions", chat)
             app.router.add_post("/v1/completions", drop)
             self._runner = web.AppRunner(app, access_log=None)

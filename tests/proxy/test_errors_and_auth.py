@@ -225,3 +225,13 @@ def test_what_reaches_the_backend_and_what_comes_back(served, echo_backend):
     new_id = odd.headers["x-request-id"]
     assert re.fullmatch(r"[0-9a-f]{32}", new_id) and odd.json()["headers"]["x-request-id"] == new_id
     assert re.fullmatch(r"[0-9a-f]{32}", _post(served, "/v1/nope").headers["x-request-id"])
+
+
+def test_a_json_answer_cut_by_the_backend_reaches_the_client_as_cut(served):
+    import json
+
+    r = _post(served, "/v1/embeddings", json={"model": "echo", "input": "x"})  # ends, never hangs
+    assert r.status_code == 200 and r.content.startswith(b'{"object": "list"')
+    with pytest.raises(json.JSONDecodeError):  # cut where the backend died, not made to look whole
+        json.loads(r.content)
+    assert httpx.get(f"{served.url}/v1/models", headers=served.auth).status_code == 200
