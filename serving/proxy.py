@@ -24,6 +24,7 @@ from http.cookies import SimpleCookie
 import aiohttp
 from asgiref.sync import sync_to_async
 from django.conf import settings
+from django.contrib.auth.signals import user_logged_out
 
 from serving import metrics
 from serving.routing_table import Backend, routing_table
@@ -136,6 +137,13 @@ class SessionCache:
 
 
 session_cache = SessionCache()
+
+
+def _forget_sessions(**kwargs) -> None:
+    session_cache.clear()  # a logout in this process takes effect at once, not after SESSION_CACHE_S
+
+
+user_logged_out.connect(_forget_sessions, dispatch_uid="xgen-proxy-session-cache")
 
 
 def _session_principal(session_key: str) -> Principal | None:

@@ -117,7 +117,10 @@ def test_a_console_session_may_call_inference_with_the_csrf_header(served):
         assert ok.status_code == 200 and ok.json()["object"] == "chat.completion"
         seen = ok.json()["headers"]
         assert "cookie" not in seen and "x-csrftoken" not in seen  # the session never reaches a backend
+        old_session = session.cookies["sessionid"]
         session.post("/accounts/logout/", headers={"X-CSRFToken": token})
+    gone = httpx.get(f"{served.url}/v1/models", cookies={"sessionid": old_session})
+    _error(401, "authentication_error", "unauthorized")(gone)  # logged out: refused at once
     stale = httpx.get(f"{served.url}/v1/models", cookies={"sessionid": "not-a-session"})
     _error(401, "authentication_error", "unauthorized")(stale)
 
