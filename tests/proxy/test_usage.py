@@ -104,3 +104,16 @@ async def test_the_ninja_routes_call_the_same_core_and_feed_the_usage_partial(ec
     assert '"model": "echo"' in html.replace("&quot;", '"')
     empty = render_to_string("serving/partials/_usage.html", {"usage": usage_summary(instance_id=-1)})
     assert "No requests through the proxy yet" in empty
+
+
+def test_the_inference_operations_are_in_the_openapi_docs():
+    from xgenconsole.api import api
+
+    paths = api.get_openapi_schema()["paths"]
+    for path, method in [("/api/inference/v1/models", "get"), ("/api/inference/v1/models/{model}", "get"),
+                         ("/api/inference/v1/chat/completions", "post"), ("/api/inference/v1/completions", "post"),
+                         ("/api/inference/v1/embeddings", "post"), ("/api/inference/embedding/v1/models", "get"),
+                         ("/api/inference/embedding/v1/embeddings", "post")]:
+        assert method in paths[path], path
+    chat = paths["/api/inference/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]
+    assert chat["schema"]
