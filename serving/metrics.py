@@ -176,3 +176,34 @@ def usage_summary(*, instance_id: int | None = None, model: str | None = None) -
 def render_metrics() -> tuple[bytes, str]:
     """The Prometheus text exposition of this process, and its content type."""
     return generate_latest(REGISTRY), CONTENT_TYPE_LATEST
+
+
+class RuntimeCollector:
+    """Leak indicators for soak tests and dashboards: event-loop tasks, and the pooled
+    client's upstream connections (idle in the pool / in use). Read at scrape time."""
+
+    def collect(self):
+        import asyncio
+
+        from prometheus_client.core import GaugeMetricFamily
+
+        from serving import proxy
+
+        try:
+            tasks = len(asyncio.all_tasks())
+        except RuntimeError:  # scraped outside the event loop
+            tasks = 0
+        yield GaugeMetricFamily("xgen_event_loop_tasks", "asyncio tasks alive in this process's loop", value=tasks)
+        conns = GaugeMetricFamily("xgen_proxy_upstream_connections", "Connections to backends", labels=["state"])
+        connector = proxy._client.connector if proxy._client is not None else None
+        idle = sum(len(v) for v in getattr(connector, "_conns", {}).values()) if connector else 0
+        in_use = len(getattr(connector, "_acquired", ())) if connector else 0
+        conns.add_metric(["idle"], idle)
+        conns.add_metric(["in_use"], in_use)
+        yield conns
+
+    def describe(self):
+        return []
+
+
+REGISTRY.register(RuntimeCollector())
