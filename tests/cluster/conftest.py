@@ -1,21 +1,32 @@
+import threading
 from collections.abc import Iterator
+from http.server import ThreadingHTTPServer
 
 import pytest
 
 from tests.cluster.harness import Cluster, create_cluster, destroy_cluster, services_available
+from tests.hub.conftest import CountingProxy, _proxy_handler
 
 pytestmark = pytest.mark.cluster
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, s3_server) -> Iterator[Cluster]:
-    """PostgreSQL + Redis + S3; two node agents (node-a, node-b) and two web processes (a, b)."""
+    """PostgreSQL + Redis + S3 (behind a request-counting forwarder); two node agents (node-a,
+    node-b) and two web processes (a, b), each a separate OS process."""
     missing = services_available()
     if missing:
         pytest.fail(f"cluster tests need PostgreSQL and Redis on loopback (.ci/run starts them): {missing}")
     s3_server.reset()
-    c = create_cluster(tmp_path_factory.mktemp("cluster"), s3_endpoint=s3_server.endpoint,
+    ref: list = []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _proxy_handler(ref))
+    server.daemon_threads = True
+    counter = CountingProxy(server=server, target=(s3_server.host, s3_server.port))
+    ref.append(counter)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    c = create_cluster(tmp_path_factory.mktemp("cluster"), s3_endpoint=counter.endpoint,
                        s3_access=s3_server.access_key, s3_secret=s3_server.secret_key)
+    c.s3_counter = counter
     try:
         c.start_agent("node-a")
         c.start_agent("node-b")
@@ -24,6 +35,6 @@ def cluster(tmp_path_factory, s3_server) -> Iterator[Cluster]:
         c.wait_nodes_online({"node-a", "node-b"}, web="a")
         yield c
     finally:
-        logs = {p.name: p.log[-2000:] for p in list(c.agents.values()) + list(c.webs.values())}
         destroy_cluster(c)
-        c.last_logs = logs
+        server.shutdown()
+        server.server_close()

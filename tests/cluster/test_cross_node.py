@@ -1,0 +1,111 @@
+"""Cluster mode with models: loads on two nodes, requests across web processes, an agent killed
+and restarted, and concurrent loads of one new model transferring it once."""
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+pytestmark = pytest.mark.cluster
+
+CHAT = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
+
+
+def _upload(cluster, tiny_gguf, name: str) -> str:
+    cluster.manage("hub_upload", str(tiny_gguf), "--format", "gguf", "--name", name)
+    return f"gguf/{name}"
+
+
+def _load(cluster, web: str, **body) -> dict:
+    with cluster.api(web) as client:
+        response = client.post("/api/management/load", json=body)
+    assert response.status_code == 202, response.text
+    return response.json()
+
+
+def _wait_state(cluster, web: str, instance_id: int, state: str, timeout: float = 90) -> dict:
+    deadline = time.monotonic() + timeout
+    with cluster.api(web) as client:
+        while True:
+            inst = client.get(f"/api/management/instances/{instance_id}").json()
+            if inst["state"] == state or time.monotonic() > deadline:
+                assert inst["state"] == state, inst
+                return inst
+            if inst["state"] == "ERROR" and state != "ERROR":
+                raise AssertionError(inst)
+            time.sleep(0.3)
+
+
+def _chat(cluster, web: str, model: str) -> int:
+    with cluster.api(web) as client:
+        return client.post("/v1/chat/completions", json={"model": model, **CHAT}).status_code
+
+
+def test_loads_on_both_nodes_and_requests_cross_web_processes(cluster, tiny_gguf):
+    prefix = _upload(cluster, tiny_gguf, "tiny-shared")
+    on_a = _load(cluster, "a", model_path=prefix, model_name="tiny-on-a", node="node-a")
+    on_b = _load(cluster, "b", model_path=prefix, model_name="tiny-on-b", node="node-b")
+    assert (on_a["node"], on_b["node"]) == ("node-a", "node-b")
+    ready_a = _wait_state(cluster, "b", on_a["id"], "READY")
+    ready_b = _wait_state(cluster, "a", on_b["id"], "READY")
+    assert ready_a["port"] and ready_b["port"]
+    # Web A reaches node B's backend and web B reaches node A's (the table refreshes within ~1 s).
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and (_chat(cluster, "a", "tiny-on-b") != 200 or _chat(cluster, "b", "tiny-on-a") != 200):
+        time.sleep(0.3)
+    assert _chat(cluster, "a", "tiny-on-b") == 200
+    assert _chat(cluster, "b", "tiny-on-a") == 200
+    with cluster.api("a") as client:
+        models = {m["id"]: m for m in client.get("/v1/models").json()["data"]}
+    assert models["tiny-on-a"]["node"] == "node-a" and models["tiny-on-b"]["node"] == "node-b"
+    # Each agent ran its own backend: the cache dirs are per node.
+    for node in ("node-a", "node-b"):
+        cached = list((cluster.root / node / "cache" / "gguf" / "tiny-shared").glob("*.gguf"))
+        assert len(cached) == 1, node
+
+
+def test_killed_agent_stops_routing_then_recovers(cluster):
+    with cluster.api("a") as client:
+        before = {i["model_name"]: i for i in client.get("/api/management/instances").json()}
+    inst_b = before["tiny-on-b"]
+    cluster.kill_agent("node-b")
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and _chat(cluster, "a", "tiny-on-b") == 200:
+        time.sleep(0.3)
+    with cluster.api("a") as client:
+        response = client.post("/v1/chat/completions", json={"model": "tiny-on-b", **CHAT})
+        assert response.status_code == 503 and response.json()["error"]["code"] == "no_backend"
+        nodes = {n["name"]: n["status"] for n in client.get("/api/hardware/nodes").json()}
+        assert nodes["node-b"] == "offline"
+        # Nothing lost: the desired state and the record of the instance are still there.
+        still = client.get(f"/api/management/instances/{inst_b['id']}").json()
+        assert still["model_name"] == "tiny-on-b"
+    assert _chat(cluster, "b", "tiny-on-a") == 200  # node A is unaffected
+    cluster.start_agent("node-b")
+    cluster.wait_nodes_online({"node-b"}, web="b", timeout=30)
+    _wait_state(cluster, "b", inst_b["id"], "READY")
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and _chat(cluster, "b", "tiny-on-b") != 200:
+        time.sleep(0.3)
+    assert _chat(cluster, "b", "tiny-on-b") == 200
+
+
+def test_two_loads_of_one_new_model_on_one_node_transfer_it_once(cluster, tiny_gguf):
+    prefix = _upload(cluster, tiny_gguf, "tiny-twice")
+    cluster.s3_counter.reset()
+    with ThreadPoolExecutor(2) as pool:
+        loads = list(pool.map(lambda args: _load(cluster, args[0], model_path=prefix, model_name=args[1], node="node-a"),
+                              [("a", "twice-1"), ("b", "twice-2")]))
+    for load in loads:
+        _wait_state(cluster, "a", load["id"], "READY")
+    counter = cluster.s3_counter
+    with counter.lock:
+        weight_gets = sum(n for (method, path), n in counter.counts.items()
+                          if method == "GET" and "/gguf/tiny-twice/" in path and path.endswith(".gguf"))
+    assert weight_gets == 1, counter.counts
+    for load in loads:
+        with cluster.api("a") as client:
+            assert client.post("/api/management/unload", json={"id": load["id"]}).status_code == 202
+    for load in loads:
+        _wait_state(cluster, "a", load["id"], "STOPPED")
