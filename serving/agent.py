@@ -47,8 +47,12 @@ class AgentWorker:
 
 
 def default_workers() -> list[AgentWorker]:
-    """The explicit registry of what a node agent does, in start order."""
-    workers: list[AgentWorker] = []
+    """The explicit registry of what a node agent does, in start order (one line per worker)."""
+    from serving.supervisor import Supervisor
+
+    workers: list[AgentWorker] = [
+        Supervisor(),
+    ]
     return workers
 
 

@@ -58,6 +58,7 @@ class ModelInstance(models.Model):
     pgid = models.IntegerField(null=True, blank=True)
     exit_code = models.IntegerField(null=True, blank=True)
     restarts = models.IntegerField(default=0)
+    restart_requested = models.BooleanField(default=False, help_text="an operator asked for a restart")
     last_error = models.TextField(blank=True)
     log_tail = models.JSONField(default=list, blank=True)
     estimated_memory_mib = models.BigIntegerField(null=True, blank=True)

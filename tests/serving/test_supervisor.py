@@ -1,0 +1,105 @@
+"""The supervisor with real llama-cpp-python backends on the tiny GGUF, driven in-process."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import httpx
+import pytest
+from asgiref.sync import sync_to_async
+
+from serving.models import InstanceState
+from serving.placement import port_bindable
+from tests.procs import children_of
+from tests.serving.conftest import backend_pids, wait_state
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def _load(path, name, server_type="llm"):
+    from serving.services import request_load
+
+    return request_load(model_path=str(path), model_name=name, server_type=server_type)
+
+
+def _events(instance_id):
+    from serving.models import InstanceEvent
+
+    return list(InstanceEvent.objects.filter(instance_id=instance_id).values_list("from_state", "to_state"))
+
+
+async def test_load_chat_unload_leaves_nothing(agent, tiny_gguf):
+    inst = await sync_to_async(_load)(tiny_gguf, "tiny-chat")
+    assert inst.state == InstanceState.PENDING and inst.backend == "llama-cpp-python"
+    inst = await wait_state(inst.pk, {InstanceState.READY, InstanceState.ERROR})
+    assert inst.state == InstanceState.READY, inst.last_error
+    assert [to for _, to in await sync_to_async(_events)(inst.pk)] == ["PENDING", "LOADING", "WARMING", "READY"]
+    assert inst.pid and inst.pgid == inst.pid and inst.ready_at
+    async with httpx.AsyncClient(trust_env=False) as client:
+        r = await client.post(f"http://127.0.0.1:{inst.port}/v1/chat/completions", timeout=30,
+                              json={"model": "tiny-chat", "messages": [{"role": "user", "content": "hello"}],
+                                    "max_tokens": 4})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["role"] == "assistant"
+    assert inst.log_tail, "the log tail is written while loading"
+    pid, port = inst.pid, inst.port
+
+    from serving.services import request_unload
+    await sync_to_async(request_unload)(instance=inst)
+    inst = await wait_state(inst.pk, {InstanceState.STOPPED}, timeout=30)
+    assert inst.pid is None and inst.port is None and inst.gpus == []
+    assert [to for _, to in await sync_to_async(_events)(inst.pk)][-2:] == ["UNLOADING", "STOPPED"]
+    assert pid not in [p for p, _ in children_of(os.getpid())], "reaped: no defunct child"
+    assert not os.path.exists(f"/proc/{pid}")
+    assert port_bindable(port)
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2, trust_env=False)
+
+
+async def test_embedding_instance_answers_embeddings(agent, tiny_gguf):
+    inst = await sync_to_async(_load)(tiny_gguf, "tiny-embed", "embedding")
+    inst = await wait_state(inst.pk, {InstanceState.READY, InstanceState.ERROR})
+    assert inst.state == InstanceState.READY, inst.last_error
+    async with httpx.AsyncClient(trust_env=False) as client:
+        r = await client.post(f"http://127.0.0.1:{inst.port}/v1/embeddings", json={"model": "tiny-embed", "input": "x"})
+    assert r.status_code == 200 and len(r.json()["data"][0]["embedding"]) == 64
+
+
+async def test_killed_backend_goes_to_error_then_is_restarted(agent, tiny_gguf):
+    inst = await sync_to_async(_load)(tiny_gguf, "tiny-crash")
+    inst = await wait_state(inst.pk, {InstanceState.READY, InstanceState.ERROR})
+    assert inst.state == InstanceState.READY, inst.last_error
+    first_pid = inst.pid
+    os.kill(first_pid, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        inst = await wait_state(inst.pk, {InstanceState.READY, InstanceState.ERROR})
+        if inst.state == InstanceState.READY and inst.pid != first_pid:
+            break
+        await __import__("asyncio").sleep(0.1)
+    assert inst.state == InstanceState.READY and inst.pid != first_pid
+    assert inst.restarts == 1
+    assert inst.exit_code == -9 or "SIGKILL" in inst.last_error
+    transitions = await sync_to_async(_events)(inst.pk)
+    assert ("READY", "ERROR") in transitions
+    assert transitions[-1] == ("WARMING", "READY")
+    assert first_pid not in [p for p, _ in children_of(os.getpid())]
+    assert backend_pids("tiny-crash", inst.port) == [inst.pid]
+
+
+async def test_backend_that_exits_at_once_is_an_error_with_its_last_lines(agent, tmp_path):
+    bad = tmp_path / "not-a-model.gguf"
+    bad.write_bytes(b"this is not a GGUF file\n" * 10)
+    started = time.monotonic()
+    inst = await sync_to_async(_load)(bad, "broken")
+    inst = await wait_state(inst.pk, {InstanceState.READY, InstanceState.ERROR}, timeout=30)
+    assert inst.state == InstanceState.ERROR
+    assert time.monotonic() - started < 30
+    assert "while loading" in inst.state_message and "exited with code" in inst.state_message
+    assert inst.exit_code not in (None, 0)
+    assert inst.last_error.count("\n") >= 2, "the error carries the backend's last log lines"
+    assert inst.pid is None
+    # An ERROR after a failed load is not retried in a loop.
+    await __import__("asyncio").sleep(1.5)
+    again = await wait_state(inst.pk, {InstanceState.ERROR})
+    assert again.restarts == 0
