@@ -97,8 +97,29 @@ def lookup_key(raw: str) -> Principal | None:
 alookup_key = sync_to_async(lookup_key, thread_sensitive=False)
 
 
-class ApiKeyAuth(HttpBearer):
+class _RoleCheck:
+    """Mixed into the auth classes: after authenticating, the user's role must reach `role`.
+
+    Checking the role in auth (not in the view body) means a 403 comes before the request
+    body is even parsed, and every operation declares its role where a test can read it.
+    """
+
+    role: str = "viewer"
+
+    def _allowed(self, user: User | None) -> User | None:
+        if user is None:
+            return None
+        if not user.has_role(self.role):
+            raise ApiError(403, f"This needs the {self.role} role; you are {user.role}.", code="insufficient_role")
+        return user
+
+
+class ApiKeyAuth(_RoleCheck, HttpBearer):
     """`Authorization: Bearer <key>`; request.auth becomes the key's user."""
+
+    def __init__(self, role: str = "viewer") -> None:
+        super().__init__()
+        self.role = role
 
     def authenticate(self, request: HttpRequest, token: str) -> User | None:
         principal = lookup_key(token)
@@ -107,20 +128,31 @@ class ApiKeyAuth(HttpBearer):
         user = User.objects.filter(pk=principal.user_id, is_active=True).first()
         if user is not None:
             request.user = user
-        return user
+        return self._allowed(user)
 
 
-class SessionAuthWithCsrf(SessionAuth):
+class SessionAuthWithCsrf(_RoleCheck, SessionAuth):
     """The browser's session; unsafe methods must carry the CSRF token (ninja checks it)."""
+
+    def __init__(self, role: str = "viewer") -> None:
+        super().__init__()
+        self.role = role
 
     def authenticate(self, request: HttpRequest, key: str | None) -> User | None:
         user = request.user
         if user.is_authenticated and user.is_active:
-            return user
+            return self._allowed(user)
         return None
 
 
-api_auth = [ApiKeyAuth(), SessionAuthWithCsrf()]
+def auth_for(role: str) -> list:
+    """Ninja `auth=` for an operation that needs `role` (bearer key or session)."""
+    return [ApiKeyAuth(role), SessionAuthWithCsrf(role)]
+
+
+api_auth = auth_for("viewer")
+operator_auth = auth_for("operator")
+admin_auth = auth_for("admin")
 
 
 def require_role(request: HttpRequest, role: str) -> User:

@@ -33,6 +33,7 @@ def role_required(role: str):
 
         wrapped.__name__ = view.__name__
         wrapped.__doc__ = view.__doc__
+        wrapped.required_role = role  # read by the auth matrix test
         return wrapped
 
     return decorator

@@ -1,0 +1,365 @@
+"""The node cache: a verified local copy of a store model under MODELS_DIR/<prefix>.
+
+sync_to_cache() fetches only what differs from the store's manifest, into `*.part` files that
+are renamed into place after their size and sha256 check out, several files at once. A
+per-model file lock (fcntl) makes concurrent syncs, in threads or processes, transfer once.
+A local manifest written after a verified sync lets the next call confirm "already cached"
+with one small GET (the store manifest) instead of a request per file.
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from django.conf import settings
+from django.db import close_old_connections
+from django.utils import timezone
+
+from hub.paths import MANIFEST_NAME, InvalidPrefix, safe_join, validate_prefix
+from hub.store import Manifest, ManifestFile, ModelStore, StoreError, get_store
+
+log = logging.getLogger("xgen.hub.cache")
+
+LOCAL_MANIFEST = ".xgen-cache.json"
+PART = ".part"
+Progress = Callable[[int, int], None]
+
+
+class CacheError(RuntimeError):
+    """The model could not be made available in the cache."""
+
+
+class ModelNotInStore(CacheError):
+    """The prefix has no complete model (no manifest) in the store."""
+
+
+class CacheCorrupt(CacheError):
+    """A fetched file did not match the manifest (size or checksum)."""
+
+
+@dataclass
+class SyncStats:
+    """What the last sync of this process did (for tests and the bench)."""
+
+    files_fetched: int = 0
+    bytes_fetched: int = 0
+    files_kept: int = 0
+
+
+last_sync_stats: dict[str, SyncStats] = {}
+
+
+def cache_dir_for(prefix: str) -> Path:
+    """MODELS_DIR/<prefix>, never outside MODELS_DIR."""
+    return safe_join(settings.MODELS_DIR, validate_prefix(prefix))
+
+
+def _lock_path(prefix: str) -> Path:
+    lock_dir = Path(settings.MODELS_DIR) / ".locks"
+    lock_dir.mkdir(parents=True, exist_ok=True)
+    return lock_dir / (prefix.replace("/", "__") + ".lock")
+
+
+@contextmanager
+def model_lock(prefix: str):
+    """Exclusive per-model lock across threads and processes (flock on its own open file)."""
+    fh = open(_lock_path(prefix), "a+")  # noqa: SIM115
+    try:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+        yield
+    finally:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+        fh.close()
+
+
+def _sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(4 * 1024 * 1024):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def read_local_manifest(local_dir: Path) -> dict | None:
+    """The record of the last verified sync, or None."""
+    try:
+        return json.loads((local_dir / LOCAL_MANIFEST).read_text())
+    except (FileNotFoundError, ValueError, OSError):
+        return None
+
+
+def _file_unchanged(local_dir: Path, rec: dict) -> bool:
+    """The file still has the size and mtime recorded when it was verified."""
+    try:
+        st = (local_dir / rec["path"]).stat()
+    except (OSError, KeyError):
+        return False
+    return st.st_size == rec.get("size") and st.st_mtime_ns == rec.get("mtime_ns")
+
+
+def _manifest_matches_local(manifest: Manifest, local: dict | None, local_dir: Path) -> bool:
+    if not local or local.get("prefix") != manifest.prefix:
+        return False
+    recorded = {r["path"]: r for r in local.get("files", [])}
+    if len(recorded) != len(manifest.files):
+        return False
+    for f in manifest.files:
+        rec = recorded.get(f.path)
+        if rec is None or rec.get("size") != f.size or rec.get("etag") != f.etag or rec.get("sha256") != f.sha256:
+            return False
+        if not _file_unchanged(local_dir, rec):
+            return False
+    return True
+
+
+def is_cached(prefix: str, *, store: ModelStore | None = None) -> bool:
+    """True when the local copy matches the store's manifest (one small GET, no per-file requests)."""
+    local_dir = cache_dir_for(prefix)
+    manifest = (store or get_store()).read_manifest(prefix)
+    return manifest is not None and _manifest_matches_local(manifest, read_local_manifest(local_dir), local_dir)
+
+
+def _write_local_manifest(local_dir: Path, manifest: Manifest) -> None:
+    files = []
+    for f in manifest.files:
+        st = (local_dir / f.path).stat()
+        files.append({"path": f.path, "size": f.size, "etag": f.etag, "sha256": f.sha256, "mtime_ns": st.st_mtime_ns})
+    body = {"prefix": manifest.prefix, "format": manifest.format, "synced_at": timezone.now().isoformat(),
+            "size_bytes": manifest.size_bytes, "files": files}
+    tmp = local_dir / (LOCAL_MANIFEST + PART)
+    tmp.write_text(json.dumps(body, indent=1))
+    os.replace(tmp, local_dir / LOCAL_MANIFEST)
+
+
+def _plan(manifest: Manifest, local_dir: Path, local: dict | None) -> tuple[list[ManifestFile], list[ManifestFile]]:
+    """(files to fetch, files already good). A file of the right size whose record does not
+    vouch for it (changed mtime, no record, other etag) is re-hashed before it is trusted."""
+    recorded = {r["path"]: r for r in (local or {}).get("files", [])} if local and local.get("prefix") == manifest.prefix else {}
+    fetch, keep = [], []
+    for f in manifest.files:
+        path = safe_join(local_dir, f.path)
+        rec = recorded.get(f.path)
+        try:
+            size = path.stat().st_size
+        except OSError:
+            fetch.append(f)
+            continue
+        if size != f.size:
+            fetch.append(f)
+        elif rec and rec.get("etag") == f.etag and rec.get("sha256") == f.sha256 and _file_unchanged(local_dir, rec):
+            keep.append(f)
+        elif f.sha256 and _sha256_of(path) == f.sha256:
+            keep.append(f)
+        else:
+            fetch.append(f)
+    return fetch, keep
+
+
+def _remove_strays(local_dir: Path, manifest: Manifest) -> None:
+    """Delete files the manifest does not list (old versions, *.part leftovers of a killed sync)."""
+    wanted = {f.path for f in manifest.files} | {LOCAL_MANIFEST}
+    for dirpath, _dirnames, filenames in os.walk(local_dir):
+        for name in filenames:
+            path = Path(dirpath) / name
+            rel = path.relative_to(local_dir).as_posix()
+            if rel not in wanted:
+                path.unlink(missing_ok=True)
+
+
+class _Cancelled(Exception):
+    pass
+
+
+def _fetch_file(store: ModelStore, prefix: str, f: ManifestFile, local_dir: Path, on_bytes: Callable[[int], None],
+                stop: threading.Event) -> int:
+    dest = safe_join(local_dir, f.path)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    part = dest.with_name(dest.name + PART)
+    digest = hashlib.sha256()
+    written = 0
+
+    def on_chunk(chunk: bytes) -> None:
+        nonlocal written
+        if stop.is_set():
+            raise _Cancelled()
+        digest.update(chunk)
+        written += len(chunk)
+        on_bytes(len(chunk))
+
+    try:
+        with open(part, "wb") as fh:
+            store.stream_to(f"{prefix}/{f.path}", fh, on_chunk=on_chunk)
+        if written != f.size:
+            raise CacheCorrupt(f"{prefix}/{f.path}: got {written} bytes, the manifest says {f.size}")
+        if f.sha256 and digest.hexdigest() != f.sha256:
+            raise CacheCorrupt(f"{prefix}/{f.path}: checksum differs from the manifest")
+        os.replace(part, dest)
+    except BaseException:
+        part.unlink(missing_ok=True)
+        raise
+    return written
+
+
+def _cache_entry(node_name: str, prefix: str, **fields) -> None:
+    """Record the node's cache state; a node not yet registered is simply not recorded."""
+    from hardware.models import Node
+    from hub.models import CacheEntry
+
+    node = Node.objects.filter(name=node_name).first()
+    if node is None:
+        return
+    CacheEntry.objects.update_or_create(node=node, prefix=prefix, defaults={**fields, "updated_at": timezone.now()})
+
+
+def sync_to_cache(
+    prefix: str,
+    *,
+    node_name: str,
+    progress: Progress | None = None,
+    store: ModelStore | None = None,
+    verify: bool = False,
+) -> Path:
+    """Make MODELS_DIR/<prefix> a verified copy of the store model and return that folder.
+
+    Only files that differ from the manifest (size, ETag, sha256) are fetched. `verify=True`
+    re-hashes every cached file even when its recorded size and mtime match. Raises
+    ModelNotInStore for an incomplete or missing model, CacheError/StoreError on failure; a
+    failed or killed sync never leaves a file or a local manifest that passes as complete.
+    """
+    prefix = validate_prefix(prefix)
+    store = store or get_store()
+    local_dir = cache_dir_for(prefix)
+    manifest = store.read_manifest(prefix)
+    if manifest is None:
+        raise ModelNotInStore(f"{prefix} is not a complete model in the store ({store.describe()}).")
+    if manifest.prefix != prefix:
+        raise CacheError(f"the manifest of {prefix} names {manifest.prefix}")
+    for f in manifest.files:  # a manifest must not point outside the model folder
+        safe_join(local_dir, f.path)
+    total = manifest.size_bytes
+    stats = SyncStats()
+    last_sync_stats[prefix] = stats
+
+    if not verify and _manifest_matches_local(manifest, read_local_manifest(local_dir), local_dir):
+        stats.files_kept = len(manifest.files)
+        if progress:
+            progress(total, total)
+        _safe_record(node_name, prefix, state="READY", bytes_done=total, bytes_total=total, error="")
+        return local_dir
+
+    with model_lock(prefix):
+        # Another thread or process may have finished the same sync while we waited.
+        local = read_local_manifest(local_dir)
+        if not verify and _manifest_matches_local(manifest, local, local_dir):
+            stats.files_kept = len(manifest.files)
+            if progress:
+                progress(total, total)
+            _safe_record(node_name, prefix, state="READY", bytes_done=total, bytes_total=total, error="")
+            return local_dir
+        local_dir.mkdir(parents=True, exist_ok=True)
+        # From here until the end the folder must not look complete.
+        (local_dir / LOCAL_MANIFEST).unlink(missing_ok=True)
+        _remove_strays(local_dir, manifest)
+        if verify:
+            local = None
+        fetch, keep = _plan(manifest, local_dir, local)
+        stats.files_kept = len(keep)
+        done = sum(f.size for f in keep)
+        lock = threading.Lock()
+        stop = threading.Event()
+        _safe_record(node_name, prefix, state="SYNCING", bytes_done=done, bytes_total=total, error="")
+        if progress:
+            progress(done, total)
+
+        def on_bytes(n: int) -> None:
+            nonlocal done
+            with lock:
+                done += n
+                if progress:
+                    progress(done, total)
+
+        try:
+            if fetch:
+                workers = max(1, min(settings.CACHE_SYNC_WORKERS, len(fetch)))
+                with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="cache-sync") as pool:
+                    futures = [pool.submit(_fetch_file, store, prefix, f, local_dir, on_bytes, stop) for f in fetch]
+                    pending = set(futures)
+                    last_record = time.monotonic()
+                    while pending:
+                        finished, pending = wait(pending, timeout=0.5, return_when=FIRST_EXCEPTION)
+                        if any(fut.exception() for fut in finished):
+                            stop.set()
+                            break
+                        if time.monotonic() - last_record > 1.0:
+                            _safe_record(node_name, prefix, state="SYNCING", bytes_done=done, bytes_total=total)
+                            last_record = time.monotonic()
+                    stop.set()
+                    wait(futures)
+                errors = [fut.exception() for fut in futures if fut.exception() and not isinstance(fut.exception(), _Cancelled)]
+                if errors:
+                    raise errors[0]
+                stats.files_fetched = len(fetch)
+                stats.bytes_fetched = sum(f.size for f in fetch)
+            _write_local_manifest(local_dir, manifest)
+        except BaseException as exc:
+            _safe_record(node_name, prefix, state="FAILED", bytes_done=done, bytes_total=total,
+                         error=f"{exc.__class__.__name__}: {exc}"[:2000])
+            raise
+    _safe_record(node_name, prefix, state="READY", bytes_done=total, bytes_total=total, error="",
+                 manifest={"files": len(manifest.files), "size_bytes": total, "created_at": manifest.created_at})
+    log.info("cache %s: fetched %d files (%d bytes), kept %d", prefix, stats.files_fetched, stats.bytes_fetched,
+             stats.files_kept)
+    return local_dir
+
+
+def _safe_record(node_name: str, prefix: str, **fields) -> None:
+    try:
+        _cache_entry(node_name, prefix, **fields)
+    except Exception:  # bookkeeping must never fail a sync
+        log.warning("could not record cache state of %s on %s", prefix, node_name, exc_info=True)
+        try:
+            close_old_connections()
+        except Exception:
+            pass
+
+
+def resolve_model_path(local_dir: Path, fmt: str, filename: str | None = None) -> Path:
+    """The path a backend loads: the .gguf file (the one asked for, or the largest) for GGUF;
+    the folder holding config.json for a Hugging Face snapshot."""
+    local_dir = Path(local_dir)
+    if fmt == "gguf":
+        if filename:
+            target = safe_join(local_dir, filename)
+            if not target.is_file():
+                raise CacheError(f"{filename} is not in {local_dir}")
+            return target
+        if local_dir.is_file() and local_dir.suffix == ".gguf":
+            return local_dir
+        ggufs = [p for p in local_dir.rglob("*.gguf") if p.is_file()]
+        if not ggufs:
+            raise CacheError(f"no .gguf file in {local_dir}")
+        return max(ggufs, key=lambda p: (p.stat().st_size, -len(p.as_posix())))
+    if fmt == "huggingface":
+        if (local_dir / "config.json").is_file():
+            return local_dir
+        configs = sorted((p for p in local_dir.rglob("config.json") if p.is_file()), key=lambda p: len(p.parts))
+        if not configs:
+            raise CacheError(f"no config.json in {local_dir}")
+        return configs[0].parent
+    raise InvalidPrefix(f"unknown format {fmt!r}")
+
+
+__all__ = [
+    "CacheCorrupt", "CacheError", "ModelNotInStore", "MANIFEST_NAME", "StoreError", "cache_dir_for", "is_cached",
+    "model_lock", "resolve_model_path", "sync_to_cache",
+]

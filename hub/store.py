@@ -1,0 +1,548 @@
+"""The model store: the source of truth for models (MinIO/S3, or a folder as the embedded default).
+
+Layout: `gguf/<name>/...` and `huggingface/<name>/...`. A model is complete only once its
+manifest (`<prefix>/.xgen-manifest.json`, the file list with size, ETag and sha256) exists, and
+the manifest is always written LAST and deleted FIRST: an interrupted upload or delete never
+looks like a loadable model.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import os
+import shutil
+import threading
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import BinaryIO
+
+from django.conf import settings
+from django.utils import timezone
+
+from hub.paths import (
+    FORMAT_ROOTS,
+    MANIFEST_NAME,
+    InvalidPrefix,
+    safe_join,
+    validate_prefix,
+    validate_relative_path,
+)
+
+log = logging.getLogger("xgen.hub.store")
+
+CHUNK = 1024 * 1024
+MANIFEST_VERSION = 1
+# Paths a local model folder may hold that are never part of the model.
+SKIPPED_DIRS = {".cache", ".git", ".locks"}
+PART_SUFFIX = ".xgen-part"
+
+ByteProgress = Callable[[int], None]  # called with the number of new bytes
+
+
+class StoreError(RuntimeError):
+    """The store could not be reached or refused an operation."""
+
+
+class ObjectMissing(StoreError):
+    """The object named does not exist in the store."""
+
+
+@dataclass(frozen=True)
+class StoreObject:
+    """One object as the store lists it; `key` is the full key (`gguf/m/file.gguf`)."""
+
+    key: str
+    size: int
+    etag: str
+
+
+@dataclass(frozen=True)
+class ManifestFile:
+    path: str  # relative to the model prefix
+    size: int
+    etag: str
+    sha256: str = ""
+
+
+@dataclass
+class Manifest:
+    """What a complete model holds. Written last, after every file is in the store."""
+
+    prefix: str
+    format: str
+    files: list[ManifestFile]
+    created_at: str = ""
+    source: dict = field(default_factory=dict)
+    version: int = MANIFEST_VERSION
+
+    @property
+    def size_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+    def to_json(self) -> bytes:
+        body = asdict(self)
+        body["size_bytes"] = self.size_bytes
+        return json.dumps(body, indent=1, sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> Manifest:
+        data = json.loads(raw)
+        files = [
+            ManifestFile(path=validate_relative_path(f["path"], what="manifest path"), size=int(f["size"]),
+                         etag=str(f.get("etag", "")), sha256=str(f.get("sha256", "")))
+            for f in data.get("files", [])
+        ]
+        return cls(prefix=validate_prefix(data["prefix"]), format=data.get("format", ""), files=files,
+                   created_at=data.get("created_at", ""), source=data.get("source") or {},
+                   version=int(data.get("version", MANIFEST_VERSION)))
+
+
+@dataclass
+class StoredModel:
+    """A model prefix as found by scanning the store."""
+
+    prefix: str
+    format: str
+    size_bytes: int = 0
+    file_count: int = 0
+    complete: bool = False
+    files: list[dict] = field(default_factory=list)
+
+
+def model_prefix_of(key: str) -> str | None:
+    """`gguf/name/sub/file` -> `gguf/name`; None for keys outside a model."""
+    parts = key.split("/")
+    if len(parts) < 3 or parts[0] not in FORMAT_ROOTS:
+        return None
+    return f"{parts[0]}/{parts[1]}"
+
+
+def local_files(root: Path) -> list[tuple[str, Path]]:
+    """(relative posix path, absolute path) of every model file under a local folder or file."""
+    root = Path(root)
+    if root.is_file():
+        return [(root.name, root)]
+    out: list[tuple[str, Path]] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in SKIPPED_DIRS)
+        for name in sorted(filenames):
+            if name == MANIFEST_NAME or name.endswith((PART_SUFFIX, ".part", ".lock", ".incomplete")):
+                continue
+            path = Path(dirpath) / name
+            if path.is_symlink() and not path.resolve().is_file():
+                continue
+            out.append((path.relative_to(root).as_posix(), path))
+    return out
+
+
+class _HashingReader(io.RawIOBase):
+    """Wraps a file: hashes (sha256) and reports every byte as the uploader reads it."""
+
+    def __init__(self, fh: BinaryIO, progress: ByteProgress | None, cancel: threading.Event | None) -> None:
+        self._fh = fh
+        self.sha = hashlib.sha256()
+        self._progress = progress
+        self._cancel = cancel
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, size: int = -1) -> bytes:
+        if self._cancel is not None and self._cancel.is_set():
+            raise StoreError("upload cancelled")
+        data = self._fh.read(size)
+        self.sha.update(data)
+        if data and self._progress:
+            self._progress(len(data))
+        return data
+
+
+class ModelStore(ABC):
+    """What every store does. Implementations pass the same contract suite (tests/hub)."""
+
+    kind = "store"
+
+    # ---- primitives each implementation provides
+    @abstractmethod
+    def iter_objects(self, prefix: str) -> Iterator[StoreObject]:
+        """Every object whose key starts with `prefix` (recursive, sorted by key)."""
+
+    @abstractmethod
+    def put_file(self, key: str, local: Path, *, progress: ByteProgress | None = None,
+                 cancel: threading.Event | None = None) -> tuple[StoreObject, str]:
+        """Upload one file; returns the stored object and the file's sha256."""
+
+    @abstractmethod
+    def put_bytes(self, key: str, data: bytes) -> StoreObject:
+        """Write a small object in one request."""
+
+    @abstractmethod
+    def get_bytes(self, key: str) -> bytes:
+        """Read a small object; ObjectMissing if absent."""
+
+    @abstractmethod
+    def stream_to(self, key: str, fh: BinaryIO, *, on_chunk: Callable[[bytes], None]) -> str:
+        """Copy an object into `fh` with ONE request, calling on_chunk per chunk; returns its ETag."""
+
+    @abstractmethod
+    def delete_keys(self, keys: list[str]) -> None:
+        """Delete objects (missing ones are ignored)."""
+
+    @abstractmethod
+    def describe(self) -> str:
+        """Where the store is, for logs and pages (never a secret)."""
+
+    # ---- the model layer, shared by every implementation
+    def read_manifest(self, prefix: str) -> Manifest | None:
+        """The model's manifest, or None while the model is incomplete."""
+        prefix = validate_prefix(prefix)
+        try:
+            raw = self.get_bytes(f"{prefix}/{MANIFEST_NAME}")
+        except ObjectMissing:
+            return None
+        try:
+            return Manifest.from_json(raw)
+        except (ValueError, KeyError, InvalidPrefix) as exc:
+            log.warning("unreadable manifest for %s: %s", prefix, exc)
+            return None
+
+    def list_files(self, prefix: str) -> list[StoreObject]:
+        """The model's objects, manifest excluded."""
+        prefix = validate_prefix(prefix)
+        return [o for o in self.iter_objects(prefix + "/") if o.key != f"{prefix}/{MANIFEST_NAME}"]
+
+    def scan_models(self, *, formats: tuple[str, ...] = FORMAT_ROOTS) -> list[StoredModel]:
+        """Every model prefix in the store with size, file count and completeness (one listing per format)."""
+        models: dict[str, StoredModel] = {}
+        for fmt in formats:
+            for obj in self.iter_objects(fmt + "/"):
+                prefix = model_prefix_of(obj.key)
+                if prefix is None:
+                    continue
+                model = models.get(prefix)
+                if model is None:
+                    model = models[prefix] = StoredModel(prefix=prefix, format=fmt)
+                rel = obj.key[len(prefix) + 1 :]
+                if rel == MANIFEST_NAME:
+                    model.complete = True
+                    continue
+                model.size_bytes += obj.size
+                model.file_count += 1
+                model.files.append({"path": rel, "size": obj.size, "etag": obj.etag})
+        return sorted(models.values(), key=lambda m: m.prefix)
+
+    def exists(self, prefix: str) -> bool:
+        """True when the model is complete (its manifest exists)."""
+        return self.read_manifest(prefix) is not None
+
+    def upload_model(
+        self,
+        prefix: str,
+        local: Path,
+        *,
+        source: dict | None = None,
+        progress: Callable[[int, int], None] | None = None,
+        cancel: threading.Event | None = None,
+    ) -> Manifest:
+        """Upload a local folder (or one file) as `prefix`; the manifest goes last.
+
+        The old manifest is deleted first and stale objects removed before the new manifest is
+        written, so readers see either the old complete model, nothing loadable, or the new one.
+        """
+        prefix = validate_prefix(prefix)
+        files = local_files(Path(local))
+        if not files:
+            raise StoreError(f"{local} holds no files to upload.")
+        total = sum(p.stat().st_size for _, p in files)
+        done = 0
+        lock = threading.Lock()
+
+        def on_bytes(n: int) -> None:
+            nonlocal done
+            with lock:
+                done += n
+                if progress:
+                    progress(done, total)
+
+        self.delete_keys([f"{prefix}/{MANIFEST_NAME}"])
+        entries: list[ManifestFile] = []
+        for rel, path in files:
+            obj, sha = self.put_file(f"{prefix}/{rel}", path, progress=on_bytes, cancel=cancel)
+            entries.append(ManifestFile(path=rel, size=obj.size, etag=obj.etag, sha256=sha))
+        keep = {f"{prefix}/{e.path}" for e in entries}
+        stale = [o.key for o in self.list_files(prefix) if o.key not in keep]
+        if stale:
+            self.delete_keys(stale)
+        manifest = Manifest(prefix=prefix, format=prefix.split("/", 1)[0], files=entries,
+                            created_at=timezone.now().isoformat(), source=source or {})
+        self.put_bytes(f"{prefix}/{MANIFEST_NAME}", manifest.to_json())
+        return manifest
+
+    def delete_model(self, prefix: str) -> int:
+        """Delete a model (manifest first); returns how many objects were removed."""
+        prefix = validate_prefix(prefix)
+        manifest_key = f"{prefix}/{MANIFEST_NAME}"
+        self.delete_keys([manifest_key])
+        keys = [o.key for o in self.iter_objects(prefix + "/")]
+        if keys:
+            self.delete_keys(keys)
+        return len(keys)
+
+
+# --------------------------------------------------------------------------- MinIO / S3
+class MinioModelStore(ModelStore):
+    """S3 through the minio SDK; the bucket is created when missing."""
+
+    kind = "minio"
+
+    def __init__(self, *, endpoint: str, access_key: str, secret_key: str, bucket: str,
+                 secure: bool = False, max_connections: int | None = None) -> None:
+        import urllib3
+        from minio import Minio
+
+        self.endpoint = endpoint
+        self.bucket = bucket
+        pool = max(10, 2 * (max_connections or settings.CACHE_SYNC_WORKERS))
+        http = urllib3.PoolManager(
+            maxsize=pool,
+            timeout=urllib3.Timeout(connect=5, read=120),
+            retries=urllib3.Retry(total=2, backoff_factor=0.2, status_forcelist=[500, 502, 503, 504]),
+        )
+        self.client = Minio(endpoint, access_key=access_key or None, secret_key=secret_key or None,
+                            secure=secure, http_client=http)
+        self._bucket_ready = False
+        self._bucket_lock = threading.Lock()
+
+    def describe(self) -> str:
+        return f"s3://{self.endpoint}/{self.bucket}"
+
+    def _ensure_bucket(self) -> None:
+        if self._bucket_ready:
+            return
+        with self._bucket_lock:
+            if self._bucket_ready:
+                return
+            try:
+                if not self.client.bucket_exists(self.bucket):
+                    self.client.make_bucket(self.bucket)
+            except Exception as exc:
+                raise self._wrap(exc, "bucket") from exc
+            self._bucket_ready = True
+
+    def _wrap(self, exc: Exception, key: str) -> StoreError:
+        from minio.error import S3Error
+
+        if isinstance(exc, S3Error) and exc.code in ("NoSuchKey", "NoSuchBucket"):
+            return ObjectMissing(f"{key} is not in the store")
+        return StoreError(f"store {self.describe()} failed on {key}: {exc.__class__.__name__}: {exc}")
+
+    def iter_objects(self, prefix: str) -> Iterator[StoreObject]:
+        self._ensure_bucket()
+        try:
+            for obj in self.client.list_objects(self.bucket, prefix=prefix, recursive=True):
+                if obj.is_dir:
+                    continue
+                yield StoreObject(key=obj.object_name, size=int(obj.size or 0), etag=(obj.etag or "").strip('"'))
+        except StoreError:
+            raise
+        except Exception as exc:
+            raise self._wrap(exc, prefix) from exc
+
+    def put_file(self, key, local, *, progress=None, cancel=None):
+        self._ensure_bucket()
+        size = Path(local).stat().st_size
+        with open(local, "rb") as fh:
+            reader = _HashingReader(fh, progress, cancel)
+            try:
+                result = self.client.put_object(self.bucket, key, reader, length=size,
+                                                part_size=64 * 1024 * 1024)
+            except Exception as exc:
+                raise self._wrap(exc, key) from exc
+        return StoreObject(key=key, size=size, etag=(result.etag or "").strip('"')), reader.sha.hexdigest()
+
+    def put_bytes(self, key: str, data: bytes) -> StoreObject:
+        self._ensure_bucket()
+        try:
+            result = self.client.put_object(self.bucket, key, io.BytesIO(data), length=len(data),
+                                            content_type="application/json")
+        except Exception as exc:
+            raise self._wrap(exc, key) from exc
+        return StoreObject(key=key, size=len(data), etag=(result.etag or "").strip('"'))
+
+    def get_bytes(self, key: str) -> bytes:
+        self._ensure_bucket()
+        response = None
+        try:
+            response = self.client.get_object(self.bucket, key)
+            return response.read()
+        except Exception as exc:
+            raise self._wrap(exc, key) from exc
+        finally:
+            if response is not None:
+                response.close()
+                response.release_conn()
+
+    def stream_to(self, key, fh, *, on_chunk):
+        self._ensure_bucket()
+        response = None
+        try:
+            response = self.client.get_object(self.bucket, key)
+            etag = (response.headers.get("ETag") or "").strip('"')
+            for chunk in response.stream(CHUNK):
+                fh.write(chunk)
+                on_chunk(chunk)
+            return etag
+        except StoreError:
+            raise
+        except Exception as exc:
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+            import urllib3
+            from minio.error import S3Error
+
+            if isinstance(exc, (S3Error, urllib3.exceptions.HTTPError, OSError)):
+                raise self._wrap(exc, key) from exc
+            raise
+        finally:
+            if response is not None:
+                response.close()
+                response.release_conn()
+
+    def delete_keys(self, keys: list[str]) -> None:
+        from minio.deleteobjects import DeleteObject
+
+        if not keys:
+            return
+        self._ensure_bucket()
+        try:
+            for start in range(0, len(keys), 1000):
+                errors = list(self.client.remove_objects(self.bucket, [DeleteObject(k) for k in keys[start:start + 1000]]))
+                if errors:
+                    raise StoreError(f"could not delete {len(errors)} objects: {errors[0]}")
+        except StoreError:
+            raise
+        except Exception as exc:
+            raise self._wrap(exc, keys[0]) from exc
+
+
+# --------------------------------------------------------------------------- filesystem
+class FilesystemModelStore(ModelStore):
+    """A folder as the store (the embedded default). ETag = mtime and size, like a web server's."""
+
+    kind = "filesystem"
+
+    def __init__(self, root: Path | str | None = None) -> None:
+        self.root = Path(root or settings.STORE_DIR).resolve()
+
+    def describe(self) -> str:
+        return f"file://{self.root}"
+
+    def _path(self, key: str) -> Path:
+        return safe_join(self.root, key)
+
+    def iter_objects(self, prefix: str) -> Iterator[StoreObject]:
+        base = self.root
+        if not base.is_dir():
+            return
+        # Walk only the folder that can hold keys with this prefix.
+        head = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
+        start = safe_join(base, head) if head else base
+        if not start.is_dir():
+            return
+        found: list[StoreObject] = []
+        for dirpath, dirnames, filenames in os.walk(start):
+            dirnames.sort()
+            for name in filenames:
+                if name.endswith(PART_SUFFIX):
+                    continue
+                path = Path(dirpath) / name
+                key = path.relative_to(base).as_posix()
+                if not key.startswith(prefix):
+                    continue
+                st = path.stat()
+                found.append(StoreObject(key=key, size=st.st_size, etag=f"{st.st_mtime_ns:x}-{st.st_size:x}"))
+        yield from sorted(found, key=lambda o: o.key)
+
+    def _etag(self, path: Path) -> str:
+        st = path.stat()
+        return f"{st.st_mtime_ns:x}-{st.st_size:x}"
+
+    def put_file(self, key, local, *, progress=None, cancel=None):
+        dest = self._path(key)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dest.with_name(f"{dest.name}.{uuid.uuid4().hex[:8]}{PART_SUFFIX}")
+        try:
+            with open(local, "rb") as src, open(tmp, "wb") as out:
+                reader = _HashingReader(src, progress, cancel)
+                while chunk := reader.read(CHUNK):
+                    out.write(chunk)
+            os.replace(tmp, dest)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            raise StoreError(f"store {self.describe()} failed on {key}: {exc}") from exc
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        return StoreObject(key=key, size=dest.stat().st_size, etag=self._etag(dest)), reader.sha.hexdigest()
+
+    def put_bytes(self, key: str, data: bytes) -> StoreObject:
+        dest = self._path(key)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dest.with_name(f"{dest.name}.{uuid.uuid4().hex[:8]}{PART_SUFFIX}")
+        tmp.write_bytes(data)
+        os.replace(tmp, dest)
+        return StoreObject(key=key, size=len(data), etag=self._etag(dest))
+
+    def get_bytes(self, key: str) -> bytes:
+        try:
+            return self._path(key).read_bytes()
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            raise ObjectMissing(f"{key} is not in the store") from None
+
+    def stream_to(self, key, fh, *, on_chunk):
+        path = self._path(key)
+        try:
+            src = open(path, "rb")  # noqa: SIM115
+        except (FileNotFoundError, NotADirectoryError):
+            raise ObjectMissing(f"{key} is not in the store") from None
+        with src:
+            etag = self._etag(path)
+            while chunk := src.read(CHUNK):
+                fh.write(chunk)
+                on_chunk(chunk)
+        return etag
+
+    def delete_keys(self, keys: list[str]) -> None:
+        for key in keys:
+            path = self._path(key)
+            path.unlink(missing_ok=True)
+            # Drop folders left empty, up to the format root.
+            parent = path.parent
+            while parent != self.root and parent.parent != self.root:
+                try:
+                    parent.rmdir()
+                except OSError:
+                    break
+                parent = parent.parent
+
+    def remove_tree(self, prefix: str) -> None:
+        """Remove a model folder outright (used after delete_model to drop leftovers)."""
+        shutil.rmtree(self._path(validate_prefix(prefix)), ignore_errors=True)
+
+
+def get_store() -> ModelStore:
+    """MinIO when MINIO_ENDPOINT is set, else the filesystem store under STORE_DIR."""
+    if settings.MINIO_ENDPOINT:
+        return MinioModelStore(
+            endpoint=settings.MINIO_ENDPOINT,
+            access_key=settings.MINIO_ACCESS_KEY or "",
+            secret_key=settings.MINIO_SECRET_KEY or "",
+            bucket=settings.MINIO_BUCKET,
+            secure=settings.MINIO_SECURE,
+        )
+    return FilesystemModelStore(settings.STORE_DIR)

@@ -1,0 +1,29 @@
+from collections.abc import Iterator
+
+import pytest
+
+from tests.cluster.harness import Cluster, create_cluster, destroy_cluster, services_available
+
+pytestmark = pytest.mark.cluster
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, s3_server) -> Iterator[Cluster]:
+    """PostgreSQL + Redis + S3; two node agents (node-a, node-b) and two web processes (a, b)."""
+    missing = services_available()
+    if missing:
+        pytest.fail(f"cluster tests need PostgreSQL and Redis on loopback (.ci/run starts them): {missing}")
+    s3_server.reset()
+    c = create_cluster(tmp_path_factory.mktemp("cluster"), s3_endpoint=s3_server.endpoint,
+                       s3_access=s3_server.access_key, s3_secret=s3_server.secret_key)
+    try:
+        c.start_agent("node-a")
+        c.start_agent("node-b")
+        c.start_web("a")
+        c.start_web("b")
+        c.wait_nodes_online({"node-a", "node-b"}, web="a")
+        yield c
+    finally:
+        logs = {p.name: p.log[-2000:] for p in list(c.agents.values()) + list(c.webs.values())}
+        destroy_cluster(c)
+        c.last_logs = logs

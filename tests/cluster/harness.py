@@ -1,0 +1,166 @@
+"""Cluster mode for real: PostgreSQL, Redis and an S3 endpoint on loopback, node agents and web
+processes as separate OS processes, each with its own name and data/cache dirs."""
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from tests.conftest import REPO
+from tests.procs import PYTHON, free_port, stop_process, wait_http
+
+PG_ADMIN_DSN = os.environ.get("XGEN_TEST_PG", "postgres://postgres@127.0.0.1:5432/test")
+REDIS_HOST = os.environ.get("XGEN_TEST_REDIS", "127.0.0.1:6379")
+
+
+def _pg_admin(sql: str) -> None:
+    import psycopg
+
+    with psycopg.connect(PG_ADMIN_DSN, autocommit=True) as conn:
+        conn.execute(sql)
+
+
+def services_available() -> str | None:
+    """None when PostgreSQL and Redis answer, else why not."""
+    try:
+        _pg_admin("SELECT 1")
+    except Exception as exc:
+        return f"PostgreSQL at {PG_ADMIN_DSN}: {exc}"
+    import redis
+
+    host, port = REDIS_HOST.split(":")
+    try:
+        redis.Redis(host=host, port=int(port), socket_timeout=2).ping()
+    except Exception as exc:
+        return f"Redis at {REDIS_HOST}: {exc}"
+    return None
+
+
+@dataclass
+class Proc:
+    name: str
+    proc: subprocess.Popen
+    log_path: Path
+    url: str = ""
+
+    @property
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+@dataclass
+class Cluster:
+    root: Path
+    env: dict
+    database: str
+    redis_db: int
+    agents: dict[str, Proc] = field(default_factory=dict)
+    webs: dict[str, Proc] = field(default_factory=dict)
+    admin_key: str = ""
+
+    def manage(self, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+        return subprocess.run([PYTHON, str(REPO / "manage.py"), *args], cwd=REPO, env={**self.env, **(env or {})},
+                              capture_output=True, text=True, timeout=120, check=True)
+
+    def _spawn(self, name: str, args: list[str], env: dict) -> Proc:
+        log_path = self.root / f"{name}.log"
+        log = open(log_path, "ab")  # noqa: SIM115
+        proc = subprocess.Popen([PYTHON, str(REPO / "manage.py"), *args], cwd=REPO, env={**self.env, **env},
+                                stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        return Proc(name=name, proc=proc, log_path=log_path)
+
+    def node_env(self, node: str) -> dict:
+        data = self.root / node
+        return {"XGEN_DATA_DIR": str(data), "XGEN_MODELS_DIR": str(data / "cache"), "XGEN_NODE_NAME": node,
+                "XGEN_NODE_ADDRESS": "127.0.0.1"}
+
+    def start_agent(self, node: str) -> Proc:
+        agent = self._spawn(f"agent-{node}", ["nodeagent", "--name", node], self.node_env(node))
+        self.agents[node] = agent
+        return agent
+
+    def start_web(self, name: str) -> Proc:
+        port = free_port()
+        env = {"XGEN_DATA_DIR": str(self.root / name), "XGEN_NODE_NAME": name}
+        web = self._spawn(f"web-{name}", ["serve", "--no-agent", "--host", "127.0.0.1", "--port", str(port)], env)
+        web.url = f"http://127.0.0.1:{port}"
+        wait_http(f"{web.url}/healthz", timeout=60, proc=web.proc)
+        self.webs[name] = web
+        return web
+
+    def kill_agent(self, node: str) -> None:
+        agent = self.agents.pop(node)
+        agent.proc.send_signal(signal.SIGKILL)
+        agent.proc.wait()
+
+    def api(self, web: str) -> httpx.Client:
+        return httpx.Client(base_url=self.webs[web].url, headers={"Authorization": f"Bearer {self.admin_key}"},
+                            timeout=60)
+
+    def wait_nodes_online(self, names: set[str], *, web: str, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        with self.api(web) as client:
+            while time.monotonic() < deadline:
+                nodes = {n["name"]: n["status"] for n in client.get("/api/hardware/nodes").json()}
+                if all(nodes.get(n) == "online" for n in names):
+                    return
+                time.sleep(0.3)
+        raise TimeoutError(f"nodes {names} not online: {nodes}")
+
+    def stop(self) -> dict[str, int]:
+        codes = {}
+        for p in list(self.agents.values()) + list(self.webs.values()):
+            codes[p.name] = stop_process(p.proc, timeout=40)
+        self.agents.clear()
+        self.webs.clear()
+        return codes
+
+
+def create_cluster(root: Path, *, s3_endpoint: str, s3_access: str, s3_secret: str, extra_env: dict | None = None) -> Cluster:
+    """A fresh PostgreSQL database and Redis db, migrated, with an admin key; no processes yet."""
+    database = f"xgen_cluster_{uuid.uuid4().hex[:10]}"
+    _pg_admin(f'CREATE DATABASE "{database}"')
+    redis_db = 1 + int(uuid.uuid4().int % 15)
+    import redis
+
+    host, port = REDIS_HOST.split(":")
+    redis.Redis(host=host, port=int(port), db=redis_db).flushdb()
+    base = PG_ADMIN_DSN.rsplit("/", 1)[0]
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "xgenconsole.settings",
+        "DATABASE_URL": f"{base}/{database}",
+        "REDIS_URL": f"redis://{REDIS_HOST}/{redis_db}",
+        "MINIO_ENDPOINT": s3_endpoint,
+        "MINIO_ACCESS_KEY": s3_access,
+        "MINIO_SECRET_KEY": s3_secret,
+        "MINIO_BUCKET": "xgen-cluster",
+        "XGEN_SECRET_KEY": secrets.token_urlsafe(50),
+        "XGEN_DEMO_MODEL": "false",
+        "XGEN_HEARTBEAT_INTERVAL": "1",
+        "XGEN_NODE_STALE_AFTER": "3",
+        "XGEN_NODE_OFFLINE_AFTER": "5",
+        "XGEN_RECONCILE_INTERVAL": "2",
+        "XGEN_API_KEY_CACHE": "5",
+        "PYTHONUNBUFFERED": "1",
+        **(extra_env or {}),
+    }
+    root.mkdir(parents=True, exist_ok=True)
+    cluster = Cluster(root=root, env={**env, "XGEN_DATA_DIR": str(root / "admin")}, database=database, redis_db=redis_db)
+    cluster.manage("migrate", "-v0")
+    cluster.manage("createuser", "--username", "admin", "--role", "admin", "--password", "admin-pass-123")
+    cluster.admin_key = cluster.manage("createapikey", "--username", "admin").stdout.strip()
+    return cluster
+
+
+def destroy_cluster(cluster: Cluster) -> None:
+    cluster.stop()
+    _pg_admin(f'DROP DATABASE IF EXISTS "{cluster.database}" WITH (FORCE)')

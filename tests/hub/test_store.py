@@ -1,0 +1,130 @@
+"""One contract suite, run against both stores (the MinIO one through the minio SDK on the real
+S3 endpoint)."""
+from __future__ import annotations
+
+import hashlib
+import threading
+
+import pytest
+
+from hub.paths import MANIFEST_NAME, InvalidPrefix
+from hub.store import FilesystemModelStore, MinioModelStore, ObjectMissing, StoreError, get_store
+from tests.hub.conftest import make_model_dir
+
+FILES = {"config.json": b'{"a": 1}', "model.safetensors": b"\x01" * 300_000, "sub/tokenizer.json": b"{}"}
+
+
+def test_upload_writes_every_file_then_the_manifest(store, tmp_path):
+    src = make_model_dir(tmp_path / "src", {**FILES, ".cache/huggingface/x.lock": b"no"})
+    seen = []
+    manifest = store.upload_model("huggingface/m1", src, source={"repo_id": "o/m1"},
+                                  progress=lambda d, t: seen.append((d, t)))
+    assert sorted(f.path for f in manifest.files) == sorted(FILES)
+    for f in manifest.files:
+        assert f.sha256 == hashlib.sha256(FILES[f.path]).hexdigest()
+        assert f.size == len(FILES[f.path]) and f.etag
+    assert seen[-1] == (sum(map(len, FILES.values())),) * 2
+    again = store.read_manifest("huggingface/m1")
+    assert again.files == manifest.files and again.source == {"repo_id": "o/m1"}
+    assert sorted(o.key for o in store.list_files("huggingface/m1")) == sorted(f"huggingface/m1/{p}" for p in FILES)
+    [model] = store.scan_models()
+    assert (model.prefix, model.format, model.complete) == ("huggingface/m1", "huggingface", True)
+    assert model.file_count == 3 and model.size_bytes == sum(map(len, FILES.values()))
+
+
+def test_a_single_file_uploads_under_its_name(store, tiny_gguf):
+    manifest = store.upload_model("gguf/tiny", tiny_gguf)
+    assert [f.path for f in manifest.files] == [tiny_gguf.name]
+
+
+def test_objects_without_a_manifest_are_incomplete(store):
+    store.put_bytes("gguf/half/model.gguf", b"x" * 10)
+    [model] = store.scan_models()
+    assert model.prefix == "gguf/half" and not model.complete and model.file_count == 1
+    assert store.read_manifest("gguf/half") is None and not store.exists("gguf/half")
+
+
+def test_an_interrupted_upload_never_looks_like_a_model(store, tmp_path):
+    src = make_model_dir(tmp_path / "src", FILES)
+    store.upload_model("huggingface/m2", src)
+
+    def boom(done, total):
+        if done > 100_000:
+            raise RuntimeError("disk unplugged")
+
+    with pytest.raises(RuntimeError, match="disk unplugged"):
+        store.upload_model("huggingface/m2", src, progress=boom)
+    # The previous complete version was withdrawn first: nothing loadable remains.
+    assert store.read_manifest("huggingface/m2") is None
+    assert not store.scan_models()[0].complete
+
+
+def test_a_cancelled_upload_stops_and_stays_incomplete(store, tmp_path):
+    src = make_model_dir(tmp_path / "src", FILES)
+    cancel = threading.Event()
+    cancel.set()
+    with pytest.raises(StoreError):
+        store.upload_model("huggingface/m3", src, cancel=cancel)
+    assert store.read_manifest("huggingface/m3") is None
+
+
+def test_reupload_replaces_files_and_drops_stale_ones(store, tmp_path):
+    store.upload_model("huggingface/m4", make_model_dir(tmp_path / "v1", FILES))
+    v2 = make_model_dir(tmp_path / "v2", {"config.json": b'{"a": 2}', "weights.bin": b"w" * 10})
+    manifest = store.upload_model("huggingface/m4", v2)
+    assert {f.path for f in manifest.files} == {"config.json", "weights.bin"}
+    assert {o.key for o in store.list_files("huggingface/m4")} == {"huggingface/m4/config.json",
+                                                                   "huggingface/m4/weights.bin"}
+
+
+def test_delete_removes_the_manifest_and_every_object(store, tmp_path):
+    store.upload_model("huggingface/m5", make_model_dir(tmp_path / "src", FILES))
+    store.upload_model("gguf/keep", make_model_dir(tmp_path / "k", {"k.gguf": b"k"}))
+    assert store.delete_model("huggingface/m5") == 3
+    assert [m.prefix for m in store.scan_models()] == ["gguf/keep"]
+
+
+def test_streams_and_small_objects(store, tmp_path):
+    store.put_bytes("gguf/s/a.gguf", b"hello world")
+    assert store.get_bytes("gguf/s/a.gguf") == b"hello world"
+    chunks = []
+    with open(tmp_path / "out", "wb") as fh:
+        etag = store.stream_to("gguf/s/a.gguf", fh, on_chunk=chunks.append)
+    assert (tmp_path / "out").read_bytes() == b"hello world" and b"".join(chunks) == b"hello world" and etag
+    with pytest.raises(ObjectMissing):
+        store.get_bytes("gguf/s/missing")
+    with pytest.raises(ObjectMissing), open(tmp_path / "o2", "wb") as fh:
+        store.stream_to("gguf/s/missing", fh, on_chunk=chunks.append)
+
+
+@pytest.mark.parametrize("bad", ["../x", "gguf/../../etc", "/etc", "gguf//a", "other/x"])
+def test_every_model_operation_refuses_traversal(store, tmp_path, bad):
+    src = make_model_dir(tmp_path / "src", {"a": b"a"})
+    for call in (lambda: store.upload_model(bad, src), lambda: store.read_manifest(bad),
+                 lambda: store.delete_model(bad), lambda: store.list_files(bad)):
+        with pytest.raises(InvalidPrefix):
+            call()
+
+
+def test_listing_pages_through_many_models(store):
+    # 600 models with two objects each: 1,200 keys, past S3's 1,000-key listing page.
+    for i in range(600):
+        store.put_bytes(f"gguf/m{i:04d}/w.gguf", b"w")
+        if i % 2 == 0:
+            store.put_bytes(f"gguf/m{i:04d}/{MANIFEST_NAME}", b"{}")
+    models = store.scan_models()
+    assert len(models) == 600
+    assert sum(m.complete for m in models) == 300
+    assert models[0].prefix == "gguf/m0000" and models[-1].prefix == "gguf/m0599"
+
+
+def test_get_store_follows_settings(settings, s3, hub_dirs):
+    assert isinstance(get_store(), FilesystemModelStore)
+    settings.MINIO_ENDPOINT = s3.endpoint
+    settings.MINIO_ACCESS_KEY, settings.MINIO_SECRET_KEY = s3.access_key, s3.secret_key
+    settings.MINIO_BUCKET = "fresh-bucket"
+    store = get_store()
+    assert isinstance(store, MinioModelStore)
+    assert not s3.client().bucket_exists("fresh-bucket")
+    assert store.scan_models() == []
+    assert s3.client().bucket_exists("fresh-bucket")  # created when missing

@@ -1,0 +1,53 @@
+"""Routes of the project, read from the URLconf and the Ninja API (for matrix tests and crawls)."""
+from __future__ import annotations
+
+import re
+
+from django.urls import URLPattern, URLResolver, get_resolver
+
+from xgenconsole.auth import ApiKeyAuth, SessionAuthWithCsrf
+
+PUBLIC_PAGES = {"/healthz", "/readyz", "/accounts/login/"}
+SAMPLE = {"int": "1", "str": "n", "path": "gguf/x", "slug": "x", "uuid": "00000000-0000-0000-0000-000000000000"}
+
+
+def _fill(route: str) -> str:
+    return re.sub(r"<(?:(\w+):)?\w+>", lambda m: SAMPLE[m.group(1) or "str"], route)
+
+
+def page_routes() -> list[tuple[str, str | None]]:
+    """(path, required role or None) for every non-API page."""
+    out = []
+
+    def walk(patterns, prefix=""):
+        for p in patterns:
+            if isinstance(p, URLResolver):
+                walk(p.url_patterns, prefix + str(p.pattern))
+            elif isinstance(p, URLPattern):
+                route = prefix + str(p.pattern)
+                if route.startswith(("api/", "^api/")):
+                    continue
+                path = "/" + _fill(route)
+                out.append((path, getattr(p.callback, "required_role", None)))
+
+    walk(get_resolver().url_patterns)
+    return out
+
+
+def api_operations() -> list[tuple[str, str, str]]:
+    """(method, concrete path, required role) for every Ninja operation."""
+    from xgenconsole.api import api
+
+    out = []
+    for bound in api._get_bound_routers():  # ninja clones each operation with its effective auth
+        for path, view in bound.path_operations.items():
+            full = "/api/" + "/".join(p.strip("/") for p in (bound.prefix, path) if p.strip("/"))
+            full = re.sub(r"\{(?:(\w+):)?(\w+)\}", lambda m: "gguf/x" if m.group(1) == "path" else "1", full)
+            for op in view.operations:
+                assert op.auth_callbacks, f"{full} has no auth"
+                roles = {cb.role for cb in op.auth_callbacks if isinstance(cb, ApiKeyAuth | SessionAuthWithCsrf)}
+                assert len(roles) == 1 and len(op.auth_callbacks) == 2, f"{full}: use auth=auth_for(role)"
+                role = roles.pop()
+                for method in op.methods:
+                    out.append((method, full, role))
+    return out
