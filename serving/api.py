@@ -7,7 +7,7 @@ from ninja import Router
 from serving.models import ModelInstance
 from serving.schemas import InstanceOut, InstanceRef, LoadIn, LoadOut
 from serving.services import LoadRefused, find_instance, request_load, request_restart, request_unload
-from xgenconsole.auth import require_role
+from xgenconsole.auth import api_auth, operator_auth, require_role
 from xgenconsole.errors import ApiError
 
 management_router = Router()
@@ -38,7 +38,7 @@ def _ref(body: InstanceRef) -> ModelInstance:
         raise _refused(exc) from None
 
 
-@management_router.post("/load", response={202: LoadOut}, summary="Load a model on a node")
+@management_router.post("/load", response={202: LoadOut}, auth=operator_auth, summary="Load a model on a node")
 def load(request: HttpRequest, body: LoadIn):
     user = require_role(request, "operator")
     try:
@@ -53,14 +53,14 @@ def load(request: HttpRequest, body: LoadIn):
                  "backend_reason": inst.backend_reason, "node": inst.node.name, "gpus": list(inst.gpus)}
 
 
-@management_router.post("/unload", response={202: InstanceOut}, summary="Unload an instance")
+@management_router.post("/unload", response={202: InstanceOut}, auth=operator_auth, summary="Unload an instance")
 def unload(request: HttpRequest, body: InstanceRef):
     require_role(request, "operator")
     inst = request_unload(instance=_ref(body))
     return 202, instance_out(inst)
 
 
-@management_router.post("/restart", response={202: InstanceOut}, summary="Restart an instance")
+@management_router.post("/restart", response={202: InstanceOut}, auth=operator_auth, summary="Restart an instance")
 def restart(request: HttpRequest, body: InstanceRef):
     require_role(request, "operator")
     try:
@@ -70,7 +70,7 @@ def restart(request: HttpRequest, body: InstanceRef):
     return 202, instance_out(inst)
 
 
-@management_router.get("/instances", response=list[InstanceOut], summary="List instances")
+@management_router.get("/instances", response=list[InstanceOut], auth=api_auth, summary="List instances")
 def instances(request: HttpRequest, state: str | None = None):
     qs = ModelInstance.objects.select_related("node")
     if state:
@@ -78,7 +78,7 @@ def instances(request: HttpRequest, state: str | None = None):
     return [instance_out(i) for i in qs[:500]]
 
 
-@management_router.get("/instances/{instance_id}", response=InstanceOut, summary="One instance")
+@management_router.get("/instances/{instance_id}", response=InstanceOut, auth=api_auth, summary="One instance")
 def instance(request: HttpRequest, instance_id: int):
     try:
         return instance_out(find_instance(id=instance_id))

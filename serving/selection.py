@@ -109,7 +109,9 @@ def choose_backend(*, fmt: str, gpu_type: str, backends: list[dict], requested: 
                 f"{requested} is not installed on {node_name} (available there: {_have_text(backends)})"
             )
         # The flavour that fits the node's GPUs, else one that runs on the CPU.
-        fitting = [fl for fl in flavours if fl in FLAVOUR_FITS.get(gpu_type, set())]
+        ranked = [fl for (name, fl) in PREFERENCES.get((fmt, gpu_type), []) if name == requested]
+        fitting = sorted((fl for fl in flavours if fl in FLAVOUR_FITS.get(gpu_type, set())),
+                         key=lambda fl: ranked.index(fl) if fl in ranked else len(ranked))
         flavour = fitting[0] if fitting else ("cpu" if "cpu" in flavours else None)
         if flavour is None:
             raise BackendUnavailable(

@@ -144,13 +144,26 @@ def resolve_source(model_path: str, *, on_this_node: bool) -> ModelSource:
         return ModelSource(raw, "path", fmt, None, None, 0)
     if raw.startswith("~") or "\\" in raw:
         raise LoadRefused(400, "model_path must be a store prefix (gguf/..., huggingface/...) or an absolute path")
-    prefix = _validate_prefix(raw.strip("/"))
+    prefix = _validate_prefix(raw)
     artifact = ModelArtifact.objects.filter(prefix=prefix).first()
-    if artifact is None:
+    if artifact is not None:
+        if not artifact.complete:
+            raise LoadRefused(409, f"{prefix} is still being written to the store; try again when it is complete")
+        return ModelSource(prefix, "prefix", artifact.format, None, artifact, artifact.size_bytes)
+    manifest = _store_manifest(prefix)  # not indexed yet: the store is the source of truth
+    if manifest is None:
         raise LoadRefused(400, f"no model {prefix!r} in the store (see /api/storage/models)", code="model_not_found")
-    if not artifact.complete:
-        raise LoadRefused(409, f"{prefix} is still being written to the store; try again when it is complete")
-    return ModelSource(prefix, "prefix", artifact.format, None, artifact, artifact.size_bytes)
+    return ModelSource(prefix, "prefix", prefix.split("/", 1)[0], None, None, manifest.size_bytes)
+
+
+def _store_manifest(prefix: str):
+    try:
+        from hub.store import get_store
+
+        return get_store().read_manifest(prefix)
+    except Exception as exc:  # an unreachable store is a clear refusal, not a 500
+        raise LoadRefused(503, f"the model store cannot be read: {exc.__class__.__name__}: {exc}",
+                          code="store_unavailable") from None
 
 
 def default_model_name(source: ModelSource) -> str:

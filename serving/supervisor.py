@@ -317,7 +317,7 @@ class Supervisor(AgentWorker):
                 db_transition(run.instance_id, InstanceState.CACHING, f"copying from the store: {pct:.0f}%",
                               event=False, progress_pct=round(pct, 1)), loop)
 
-        fmt = inst.artifact.format if inst.artifact else inst.model_path.split("/", 1)[0]
+        fmt = inst.model_path.split("/", 1)[0]  # a validated prefix starts with its format
         try:
             local = await asyncio.to_thread(sync_to_cache, inst.model_path, node_name=inst.node.name, progress=progress)
             return Path(resolve_model_path(local, fmt))

@@ -68,6 +68,7 @@ def _plan_kwargs(data) -> dict:
     }
 
 
+@role_required(Role.OPERATOR)
 @require_GET
 def load_verdict(request: HttpRequest) -> HttpResponse:
     """The Load dialog's verdict: backend and why, where it fits, and the command line."""
@@ -84,6 +85,7 @@ def load_verdict(request: HttpRequest) -> HttpResponse:
     return render(request, "serving/partials/_load_verdict.html", ctx)
 
 
+@role_required(Role.OPERATOR)
 @require_http_methods(["GET", "POST"])
 def load_page(request: HttpRequest) -> HttpResponse:
     nodes = _node_choices()
@@ -91,8 +93,6 @@ def load_page(request: HttpRequest) -> HttpResponse:
     gpu_choices = _gpu_choices(node_name)
     error = None
     if request.method == "POST":
-        if not _can_operate(request):
-            return render(request, "403.html", status=403)
         form = LoadForm(request.POST, gpu_choices=gpu_choices)
         if form.is_valid():
             d = form.cleaned_data

@@ -103,3 +103,22 @@ async def test_backend_that_exits_at_once_is_an_error_with_its_last_lines(agent,
     await __import__("asyncio").sleep(1.5)
     again = await wait_state(inst.pk, {InstanceState.ERROR})
     assert again.restarts == 0
+
+
+async def test_store_prefix_is_cached_then_served(agent, tiny_gguf, settings, tmp_path):
+    settings.MODELS_DIR = tmp_path / "models"
+    settings.STORE_DIR = tmp_path / "store"
+    settings.MINIO_ENDPOINT = ""
+    from hub.store import get_store
+
+    await sync_to_async(get_store().upload_model)("gguf/tiny-store", tiny_gguf)
+    from serving.services import request_load
+
+    inst = await sync_to_async(request_load)(model_path="gguf/tiny-store", model_name="tiny-store")
+    inst = await wait_state(inst.pk, {InstanceState.READY, InstanceState.ERROR})
+    assert inst.state == InstanceState.READY, inst.last_error
+    states = [to for _, to in await sync_to_async(_events)(inst.pk)]
+    assert states == ["PENDING", "CACHING", "LOADING", "WARMING", "READY"]
+    assert inst.progress_pct is None
+    cached = settings.MODELS_DIR / "gguf" / "tiny-store"
+    assert any(p.suffix == ".gguf" for p in cached.rglob("*"))
