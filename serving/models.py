@@ -81,6 +81,11 @@ class ModelInstance(models.Model):
         return self.state in ACTIVE_STATES
 
     @property
+    def live_version(self) -> int:
+        """Orders live fragments of this instance: a newer row state has a larger number."""
+        return int(self.updated_at.timestamp() * 1_000_000)
+
+    @property
     def upstream_base(self) -> str:
         """Where the proxy reaches this backend."""
         return f"http://{self.node.address}:{self.port}"

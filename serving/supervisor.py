@@ -484,7 +484,7 @@ class Supervisor(AgentWorker):
                                 run.ready_hint.set()
                         if texts:
                             dirty = True
-                            await events.log_lines(run.instance_id, texts)
+                            await events.log_lines(run.instance_id, texts, fh.tell() - len(partial))
                     if dirty and time.monotonic() - last_flush >= TAIL_FLUSH_S:
                         await db_save_tail(run.instance_id, list(run.tail))
                         last_flush, dirty = time.monotonic(), False

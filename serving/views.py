@@ -13,6 +13,7 @@ from django.views.decorators.http import require_GET, require_http_methods, requ
 
 from hardware.models import GpuDevice, Node
 from hub.models import ModelArtifact
+from serving.events import timeline_events
 from serving.forms import ExtraArgsError, LoadForm, parse_extra_args
 from serving.models import ACTIVE_STATES, InstanceState, ModelInstance
 from serving.services import LoadRefused, gpu_rooms, plan_load, request_load, request_restart, request_unload
@@ -34,7 +35,10 @@ def instances_page(request: HttpRequest) -> HttpResponse:
     ctx = {
         "instances": instances, "can_operate": _can_operate(request),
         "ready": sum(1 for i in active if i.state == InstanceState.READY), "total": len(active),
+        "list_version": max((i.live_version for i in instances), default=0),
     }
+    if request.htmx:  # the websocket (re)connected: catch up on what happened before it
+        return render(request, "serving/partials/_instances_body.html", {**ctx, "oob": True})
     return render(request, "serving/instances.html", ctx)
 
 
@@ -122,21 +126,29 @@ def load_page(request: HttpRequest) -> HttpResponse:
 def instance_detail(request: HttpRequest, pk: int) -> HttpResponse:
     inst = get_object_or_404(ModelInstance.objects.select_related("node"), pk=pk)
     log_path = current_log(inst.pk)
-    lines = _last_lines(log_path, 500) if log_path.exists() else list(inst.log_tail or [])
+    offset, lines = _last_lines(log_path, 500) if log_path.exists() else (0, list(inst.log_tail or []))
+    evs = timeline_events(inst.pk)
     base = request.build_absolute_uri("/v1")
     ctx = {
-        "inst": inst, "events": inst.events.all()[:300], "log_lines": lines, "can_operate": _can_operate(request),
+        "inst": inst, "events": evs, "version": evs[-1].pk if evs else 0, "log_lines": lines, "log_offset": offset,
+        "can_operate": _can_operate(request),
         "has_previous": previous_log(inst.pk).exists(), "api_base": base,
     }
+    if request.htmx:  # the websocket (re)connected: catch up on what happened before it
+        return render(request, "serving/partials/_instance_live.html", ctx)
     return render(request, "serving/instance_detail.html", ctx)
 
 
-def _last_lines(path, n: int) -> list[str]:
+def _last_lines(path, n: int) -> tuple[int, list[str]]:
+    """(offset after the last complete line, the last n complete lines) of a log file."""
     with open(path, "rb") as fh:
         fh.seek(0, 2)
         size = fh.tell()
-        fh.seek(max(0, size - 256 * 1024))
-        return fh.read().decode(errors="replace").splitlines()[-n:]
+        start = max(0, size - 256 * 1024)
+        fh.seek(start)
+        data = fh.read()
+    complete = data[: data.rfind(b"\n") + 1]
+    return start + len(complete), complete.decode(errors="replace").splitlines()[-n:]
 
 
 @require_GET

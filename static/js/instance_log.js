@@ -9,7 +9,7 @@
     function atBottom() { return log.scrollHeight - log.scrollTop - log.clientHeight < 24; }
     function apply(line) {
       var q = filter && filter.value.toLowerCase();
-      line.hidden = !!q && line.textContent.toLowerCase().indexOf(q) === -1;
+      line.style.display = q && line.textContent.toLowerCase().indexOf(q) === -1 ? "none" : "";
     }
     log.scrollTop = log.scrollHeight;
     log.addEventListener("scroll", function () {

@@ -20,7 +20,7 @@ def _set_backends(console) -> None:
     code = ("import json; from hardware.models import Node; "
             f"print(Node.objects.filter(name='test-node').update(backends=json.loads({json.dumps([LLAMA_CPP_PYTHON])!r})))")
     deadline = time.monotonic() + 30
-    while console.manage("shell", "-c", code).stdout.strip() != "1":
+    while console.manage("shell", "-v", "0", "-c", code).stdout.strip() != "1":
         assert time.monotonic() < deadline, "the node never registered"
         time.sleep(0.2)
 
