@@ -48,7 +48,7 @@ def state_changed(instance: ModelInstance, event: InstanceEvent | None = None) -
 def list_body_html() -> str:
     instances = list(ModelInstance.objects.select_related("node")[:200])
     return render_to_string("serving/partials/_instances_body.html", {
-        "instances": instances, "oob": True, "list_version": max((i.live_version for i in instances), default=0)})
+        "instances": instances, "oob": True, "can_operate": True, "list_version": max((i.live_version for i in instances), default=0)})
 
 
 def log_fragment(lines: list[str], offset: int) -> str:

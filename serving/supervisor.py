@@ -41,6 +41,8 @@ TAIL_LINES = 50
 TAIL_FLUSH_S = 0.5
 TAIL_POLL_S = 0.1
 HEALTH_POLL_S = 0.25
+HEALTH_POLL_FAST_S = 0.05  # for the first seconds: small models are up in well under one
+FAST_POLL_FOR_S = 10
 WARMUP_TIMEOUT_S = 120
 
 LOADED, LOAD_FAILED, CRASHED, STOPPED = "loaded", "load_failed", "crashed", "stopped"
@@ -435,7 +437,8 @@ class Supervisor(AgentWorker):
     async def _wait_healthy(self, run: BackendRun, timeout: float) -> str:
         """'ok' once the backend's own health answers; else why not (exited / timed out)."""
         url = f"http://127.0.0.1:{run.port}{run.adapter.health_path}"
-        deadline = time.monotonic() + timeout
+        started = time.monotonic()
+        deadline = started + timeout
         while time.monotonic() < deadline:
             if run.exited():
                 return "exited"
@@ -447,7 +450,8 @@ class Supervisor(AgentWorker):
                 pass
             # A ready line in the log only makes the next poll come sooner.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(run.ready_hint.wait(), HEALTH_POLL_S)
+                fast = time.monotonic() - started < FAST_POLL_FOR_S
+                await asyncio.wait_for(run.ready_hint.wait(), HEALTH_POLL_FAST_S if fast else HEALTH_POLL_S)
             run.ready_hint.clear()
         return f"{run.adapter.label} did not answer {run.adapter.health_path} within {int(timeout)} s"
 
