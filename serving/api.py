@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from django.http import HttpRequest
-from ninja import Router
+from ninja import Router, Status
 
 from serving.models import ModelInstance
 from serving.schemas import InstanceOut, InstanceRef, LoadIn, LoadOut
@@ -49,15 +49,15 @@ def load(request: HttpRequest, body: LoadIn):
         )
     except LoadRefused as exc:
         raise _refused(exc) from None
-    return 202, {"id": inst.pk, "model_name": inst.model_name, "state": inst.state, "backend": inst.backend,
-                 "backend_reason": inst.backend_reason, "node": inst.node.name, "gpus": list(inst.gpus)}
+    return Status(202, {"id": inst.pk, "model_name": inst.model_name, "state": inst.state, "backend": inst.backend,
+                 "backend_reason": inst.backend_reason, "node": inst.node.name, "gpus": list(inst.gpus)})
 
 
 @management_router.post("/unload", response={202: InstanceOut}, auth=operator_auth, summary="Unload an instance")
 def unload(request: HttpRequest, body: InstanceRef):
     require_role(request, "operator")
     inst = request_unload(instance=_ref(body))
-    return 202, instance_out(inst)
+    return Status(202, instance_out(inst))
 
 
 @management_router.post("/restart", response={202: InstanceOut}, auth=operator_auth, summary="Restart an instance")
@@ -67,7 +67,7 @@ def restart(request: HttpRequest, body: InstanceRef):
         inst = request_restart(instance=_ref(body))
     except LoadRefused as exc:
         raise _refused(exc) from None
-    return 202, instance_out(inst)
+    return Status(202, instance_out(inst))
 
 
 @management_router.get("/instances", response=list[InstanceOut], auth=api_auth, summary="List instances")

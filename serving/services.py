@@ -121,6 +121,10 @@ def resolve_source(model_path: str, *, on_this_node: bool) -> ModelSource:
     raw = (model_path or "").strip()
     if not raw or len(raw) > 1024 or any(c in raw for c in "\0\n\r"):
         raise LoadRefused(400, "model_path is empty, too long, or has a newline/NUL")
+    try:
+        raw.encode("utf-8")
+    except UnicodeEncodeError:
+        raise LoadRefused(400, "model_path is not valid UTF-8") from None
     if raw.startswith("/"):
         parts = PurePosixPath(raw).parts
         if ".." in parts:
