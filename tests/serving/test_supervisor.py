@@ -122,3 +122,58 @@ async def test_store_prefix_is_cached_then_served(agent, tiny_gguf, settings, tm
     assert inst.progress_pct is None
     cached = settings.MODELS_DIR / "gguf" / "tiny-store"
     assert any(p.suffix == ".gguf" for p in cached.rglob("*"))
+
+
+async def test_restart_of_a_ready_instance_gives_a_new_process(agent, tiny_gguf):
+    from serving.services import request_restart
+
+    inst = await sync_to_async(_load)(tiny_gguf, "tiny-restart")
+    inst = await wait_state(inst.pk, {InstanceState.READY, InstanceState.ERROR})
+    assert inst.state == InstanceState.READY, inst.last_error
+    first = inst.pid
+    await sync_to_async(request_restart)(instance=inst)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        inst = await wait_state(inst.pk, {InstanceState.READY, InstanceState.ERROR})
+        if inst.pid != first:
+            break
+        await __import__("asyncio").sleep(0.1)
+    assert inst.state == InstanceState.READY and inst.pid != first and not inst.restart_requested
+    assert not os.path.exists(f"/proc/{first}")
+    assert backend_pids("tiny-restart", inst.port) == [inst.pid]
+    tos = [to for _, to in await sync_to_async(_events)(inst.pk)]
+    assert tos[-6:] == ["UNLOADING", "STOPPED", "PENDING", "LOADING", "WARMING", "READY"]
+    from serving.supervisor import previous_log
+
+    assert previous_log(inst.pk).exists(), "the previous run's log is kept"
+
+
+async def test_unload_while_loading_leaves_nothing(agent, tiny_gguf):
+    from serving.services import request_unload
+
+    inst = await sync_to_async(_load)(tiny_gguf, "tiny-early")
+    inst = await wait_state(inst.pk, {InstanceState.LOADING, InstanceState.WARMING, InstanceState.READY})
+    pid, port = inst.pid, inst.port
+    assert pid
+    await sync_to_async(request_unload)(instance=inst)
+    inst = await wait_state(inst.pk, {InstanceState.STOPPED}, timeout=30)
+    await __import__("asyncio").sleep(0.5)  # nothing may come back after a stop
+    inst = await wait_state(inst.pk, {InstanceState.STOPPED})
+    assert inst.pid is None and inst.port is None
+    assert not os.path.exists(f"/proc/{pid}"), "killed and reaped"
+    assert backend_pids("tiny-early", port) == []
+
+
+async def test_crash_beyond_the_restart_limit_stays_in_error(agent, tiny_gguf, serving_settings):
+    serving_settings.RESTART_LIMIT = 0
+    inst = await sync_to_async(_load)(tiny_gguf, "tiny-limit")
+    inst = await wait_state(inst.pk, {InstanceState.READY, InstanceState.ERROR})
+    os.kill(inst.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        inst = await wait_state(inst.pk, {InstanceState.ERROR})
+        if "gave up" in inst.state_message:
+            break
+        await __import__("asyncio").sleep(0.1)
+    assert "gave up after 0 restarts" in inst.state_message and "SIGKILL" in inst.state_message
+    assert inst.restarts == 0 and inst.pid is None
