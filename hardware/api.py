@@ -1,49 +1,40 @@
 from django.http import HttpRequest
 from ninja import Router
 
-from hardware.models import Node
+from hardware.allocation import GpuRow, NodeCard, overview
 from hardware.schemas import NodeOut
 
 router = Router()
 
 
-def gpu_holders(node: Node) -> dict[int, int]:
-    """GPU index -> id of the active instance holding it, for one node."""
-    from serving.models import ACTIVE_STATES  # read-only lookup of the layer above
+def _gpu_out(row: GpuRow) -> dict:
+    gpu = row.gpu
+    return {
+        "index": gpu.index,
+        "uuid": gpu.uuid,
+        "vendor": gpu.vendor,
+        "type": gpu.type,
+        "name": gpu.name,
+        "memory_total_mib": gpu.memory_total_mib,
+        "memory_used_mib": gpu.memory_used_mib,
+        "utilization_pct": gpu.utilization_pct,
+        "instance_id": row.holder.id if row.holder else None,
+    }
 
-    holders: dict[int, int] = {}
-    for inst in node.instances.filter(state__in=ACTIVE_STATES).only("id", "gpus"):
-        for index in inst.gpus or []:
-            holders[int(index)] = inst.pk
-    return holders
+
+def _node_out(card: NodeCard) -> dict:
+    node = card.node
+    return {
+        "name": node.name,
+        "address": node.address,
+        "status": card.status,
+        "last_heartbeat": node.last_heartbeat,
+        "backends": node.backend_names,
+        "gpus": [_gpu_out(row) for row in card.gpus],
+    }
 
 
 @router.get("/nodes", response=list[NodeOut], summary="Nodes and their GPUs")
-def list_nodes(request: HttpRequest):
-    out = []
-    for node in Node.objects.prefetch_related("gpus"):
-        holders = gpu_holders(node)
-        out.append(
-            {
-                "name": node.name,
-                "address": node.address,
-                "status": node.status,
-                "last_heartbeat": node.last_heartbeat,
-                "backends": node.backend_names,
-                "gpus": [
-                    {
-                        "index": g.index,
-                        "uuid": g.uuid,
-                        "vendor": g.vendor,
-                        "type": g.type,
-                        "name": g.name,
-                        "memory_total_mib": g.memory_total_mib,
-                        "memory_used_mib": g.memory_used_mib,
-                        "utilization_pct": g.utilization_pct,
-                        "instance_id": holders.get(g.index),
-                    }
-                    for g in node.gpus.all()
-                ],
-            }
-        )
-    return out
+def list_nodes(request: HttpRequest) -> list[dict]:
+    """Every registered node with its status, available backends and GPUs (and who holds each)."""
+    return [_node_out(card) for card in overview().cards]

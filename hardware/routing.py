@@ -1,3 +1,7 @@
-from django.urls import path  # noqa: F401
+from django.urls import path
 
-websocket_urlpatterns: list = []
+from hardware.consumers import GpusConsumer
+
+websocket_urlpatterns = [
+    path("ws/gpus/", GpusConsumer.as_asgi()),
+]

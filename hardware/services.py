@@ -3,11 +3,15 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 from django.db import transaction
 from django.utils import timezone
 
-from hardware.models import Heartbeat, Node
+from hardware.models import GpuDevice, Heartbeat, Node
+
+if TYPE_CHECKING:
+    from hardware.inventory import InventoryResult
 
 HEARTBEAT_HISTORY = timedelta(hours=1)
 
@@ -36,4 +40,41 @@ def record_heartbeat(*, name: str, instances_running: int = 0) -> Node:
             instances_running=instances_running,
         )
         Heartbeat.objects.filter(node=node, at__lt=now - HEARTBEAT_HISTORY).delete()
+    return node
+
+
+def save_inventory(*, node_name: str, result: InventoryResult) -> Node:
+    """Store what the node's inventory found: detector, report, CPU/RAM, backends, GPUs.
+
+    GPUs are upserted by index and the ones that vanished are deleted, in one transaction,
+    so a page never sees half an inventory.
+    """
+    report = result.report
+    now = timezone.now()
+    with transaction.atomic():
+        node = Node.objects.select_for_update().get(name=node_name)
+        node.detector = report.detector
+        node.detection_report = report.attempts_as_dicts()
+        node.cpu_count = report.cpu.cores
+        node.memory_total_mib = report.cpu.memory_total_mib
+        node.memory_used_mib = report.cpu.memory_used_mib
+        node.cpu_percent = report.cpu.percent
+        if result.backends is not None:
+            node.backends = result.backends
+        node.save(update_fields=["detector", "detection_report", "cpu_count", "memory_total_mib",
+                                 "memory_used_mib", "cpu_percent", "backends"])
+        seen = []
+        for gpu in report.gpus:
+            GpuDevice.objects.update_or_create(
+                node=node,
+                index=gpu.index,
+                defaults={
+                    "uuid": gpu.uuid, "vendor": gpu.vendor, "type": gpu.type, "name": gpu.name, "arch": gpu.arch,
+                    "driver_version": gpu.driver_version, "memory_total_mib": gpu.memory_total_mib,
+                    "memory_used_mib": gpu.memory_used_mib, "utilization_pct": gpu.utilization_pct,
+                    "temperature_c": gpu.temperature_c, "updated_at": now,
+                },
+            )
+            seen.append(gpu.index)
+        GpuDevice.objects.filter(node=node).exclude(index__in=seen).delete()
     return node

@@ -1,14 +1,27 @@
+"""GPU allocation pages: the overview of every node and GPU, and one node's detail."""
+from __future__ import annotations
+
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, render
 
+from hardware.allocation import node_card, overview
 from hardware.models import Node
+from xgenconsole.models import Role
+from xgenconsole.views import role_required
 
 
+@role_required(Role.VIEWER)
 def gpus_page(request: HttpRequest) -> HttpResponse:
-    nodes = Node.objects.prefetch_related("gpus")
-    return render(request, "hardware/gpus.html", {"nodes": nodes})
+    """Every node, its GPUs, memory and holders; htmx polls get only the node cards."""
+    context = {"overview": overview(), "oob": False}
+    if request.htmx:
+        return render(request, "hardware/partials/_nodes.html", context)
+    return render(request, "hardware/gpus.html", context)
 
 
+@role_required(Role.VIEWER)
 def node_detail(request: HttpRequest, name: str) -> HttpResponse:
-    node = get_object_or_404(Node, name=name)
-    return render(request, "hardware/node_detail.html", {"node": node, "heartbeats": node.heartbeats.all()[:60]})
+    """One node: backends, GPUs, detection report and recent heartbeats."""
+    node = get_object_or_404(Node.objects.prefetch_related("gpus"), name=name)
+    return render(request, "hardware/node_detail.html",
+                  {"card": node_card(node), "node": node, "heartbeats": node.heartbeats.all()[:60]})

@@ -17,6 +17,7 @@ from channels.layers import get_channel_layer
 from django.conf import settings
 from django.db import close_old_connections
 
+from hardware.inventory import InventoryWorker
 from hardware.services import record_heartbeat, register_node
 
 log = logging.getLogger("xgen.agent")
@@ -48,11 +49,11 @@ class AgentWorker:
 
 def default_workers() -> list[AgentWorker]:
     """The explicit registry of what a node agent does, in start order (one line per worker)."""
-    from serving.supervisor import Supervisor
+    from serving.supervisor import Supervisor  # imports this module: loaded on demand
 
-    workers: list[AgentWorker] = [
-        Supervisor(),
-    ]
+    workers: list[AgentWorker] = []
+    workers.append(InventoryWorker())  # hardware: GPUs, CPU/RAM and backends; refreshed live
+    workers.append(Supervisor())  # serving: backend processes of this node's instances
     return workers
 
 

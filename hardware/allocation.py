@@ -1,0 +1,104 @@
+"""The GPU allocation overview: which node has which GPUs, how full they are, and who holds them.
+
+Read-only; the GPUs page, its live fragments and the hardware API share it. The holder
+lookup reads serving's instances lazily (hardware never imports serving at module level).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hardware.models import GpuDevice, Node
+
+
+@dataclass
+class Holder:
+    id: int
+    model_name: str
+    state: str
+
+
+@dataclass
+class GpuRow:
+    gpu: GpuDevice
+    holder: Holder | None
+
+
+@dataclass
+class NodeCard:
+    node: Node
+    gpus: list[GpuRow]
+    status: str
+    gpu_memory_total_mib: int = 0
+    gpu_memory_free_mib: int = 0
+
+    @property
+    def ram_free_mib(self) -> int:
+        return max(0, self.node.memory_total_mib - self.node.memory_used_mib)
+
+    @property
+    def ram_used_pct(self) -> float:
+        total = self.node.memory_total_mib
+        return 100.0 * self.node.memory_used_mib / total if total else 0.0
+
+    @property
+    def failed_attempts(self) -> list[dict]:
+        return [a for a in self.node.detection_report if not a.get("ok")]
+
+
+@dataclass
+class Overview:
+    cards: list[NodeCard] = field(default_factory=list)
+    instances_active: int = 0
+
+    @property
+    def node_count(self) -> int:
+        return len(self.cards)
+
+    @property
+    def gpu_count(self) -> int:
+        return sum(len(c.gpus) for c in self.cards)
+
+    @property
+    def online_count(self) -> int:
+        return sum(1 for c in self.cards if c.status == "online")
+
+
+def _holders_by_node(instances) -> dict[int, dict[int, Holder]]:
+    by_node: dict[int, dict[int, Holder]] = {}
+    for inst in instances:
+        for index in inst.gpus or []:
+            by_node.setdefault(inst.node_id, {})[int(index)] = Holder(id=inst.pk, model_name=inst.model_name,
+                                                                    state=inst.state)
+    return by_node
+
+
+def _active_instances():
+    from serving.models import ACTIVE_STATES, ModelInstance  # read-only lookup of the layer above
+
+    return ModelInstance.objects.filter(state__in=ACTIVE_STATES).only("id", "node_id", "gpus", "model_name", "state")
+
+
+def gpu_holders(node: Node) -> dict[int, Holder]:
+    """GPU index -> the active instance holding it, for one node."""
+    return _holders_by_node(_active_instances().filter(node=node)).get(node.pk, {})
+
+
+def node_card(node: Node, holders: dict[int, Holder] | None = None) -> NodeCard:
+    """One node's card: its GPUs with holders and free memory."""
+    holders = gpu_holders(node) if holders is None else holders
+    rows = [GpuRow(gpu=g, holder=holders.get(g.index)) for g in node.gpus.all()]
+    return NodeCard(
+        node=node,
+        gpus=rows,
+        status=node.status,
+        gpu_memory_total_mib=sum(r.gpu.memory_total_mib for r in rows),
+        gpu_memory_free_mib=sum(r.gpu.memory_free_mib for r in rows),
+    )
+
+
+def overview() -> Overview:
+    """Every node's card and the count of active instances, in three queries whatever the cluster size."""
+    instances = list(_active_instances())
+    by_node = _holders_by_node(instances)
+    cards = [node_card(node, by_node.get(node.pk, {})) for node in Node.objects.prefetch_related("gpus")]
+    return Overview(cards=cards, instances_active=len(instances))

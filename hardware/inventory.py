@@ -1,0 +1,107 @@
+"""The node agent's hardware worker: detect GPUs and backends at start, refresh metrics after.
+
+It speaks the agent's worker protocol (name, start, run, stop) without importing serving:
+hardware sits below serving and never imports it at module level.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from asgiref.sync import sync_to_async
+from django.conf import settings
+from django.db import close_old_connections
+
+from hardware.backends import probe_backends
+from hardware.detectors import DETECTORS, DetectionReport, Detector, detect
+from hardware.detectors.base import DetectorAttempt, DetectorUnavailable
+from hardware.detectors.cpu import cpu_percent, read_cpu_info, read_cpu_times
+from hardware.events import publish_gpus, publish_node
+from hardware.services import save_inventory
+
+log = logging.getLogger("xgen.hardware")
+
+# Backends change only when someone installs one; re-probe every this many refreshes (~5 min).
+BACKEND_REPROBE_EVERY = 30
+
+
+@dataclass
+class InventoryResult:
+    report: DetectionReport
+    backends: list[dict] | None  # None: keep what is stored (refreshes do not re-probe)
+
+
+def collect_inventory(chain: list[Detector] | None = None) -> InventoryResult:
+    """Full inventory: the detector chain and the backend probe (blocking; run in a thread)."""
+    return InventoryResult(report=detect(chain), backends=probe_backends())
+
+
+def refresh_inventory(previous: DetectionReport, detector: Detector | None, *, reprobe: bool = False) -> InventoryResult:
+    """Fresh metrics from the detector that won at start (earlier attempts kept); backends if `reprobe`."""
+    gpus = previous.gpus
+    attempts = previous.attempts
+    if detector is not None:
+        try:
+            gpus = detector.detect()
+        except DetectorUnavailable as exc:
+            # A GPU that stops answering (driver reset) shows on the node's report, not as stale numbers.
+            gpus = []
+            attempts = [a for a in attempts if a.detector != detector.name]
+            attempts.append(DetectorAttempt(detector=detector.name, ok=False, reason=f"refresh failed: {exc}"))
+    report = DetectionReport(detector=previous.detector, gpus=gpus, cpu=read_cpu_info(), attempts=attempts)
+    return InventoryResult(report=report, backends=probe_backends() if reprobe else None)
+
+
+class InventoryWorker:
+    """Agent worker `hardware`: inventory at start, then a refresh every HARDWARE_REFRESH_S."""
+
+    name = "hardware"
+
+    def __init__(self, chain: list[Detector] | None = None) -> None:
+        self.chain = chain
+        self.report: DetectionReport | None = None
+        self._detector: Detector | None = None
+        self._cpu_times = read_cpu_times()
+        self._refreshes = 0
+
+    async def start(self, agent: Any) -> None:
+        """Run the detector chain and the backend probe; save and publish before the agent counts as started."""
+        result = await asyncio.to_thread(collect_inventory, self.chain)
+        self.report = result.report
+        chain = self.chain if self.chain is not None else [cls() for cls in DETECTORS.values()]
+        self._detector = next((d for d in chain if d.name == result.report.detector), None)
+        await sync_to_async(self._save)(agent.name, result)
+        log.info("hardware on %s: detector %s, %d GPU(s), backends %s", agent.name, result.report.detector,
+                 len(result.report.gpus), [b["name"] for b in result.backends or [] if b["available"]])
+        await publish_gpus()
+
+    async def run(self, agent: Any) -> None:
+        """Refresh every HARDWARE_REFRESH_S until cancelled."""
+        while True:
+            await asyncio.sleep(settings.HARDWARE_REFRESH_S)
+            await self.refresh(agent)
+
+    async def refresh(self, agent: Any) -> None:
+        """One refresh: re-read metrics, save, publish the GPUs page fragment."""
+        if self.report is None:
+            return await self.start(agent)
+        self._refreshes += 1
+        reprobe = self._refreshes % BACKEND_REPROBE_EVERY == 0
+        result = await asyncio.to_thread(refresh_inventory, self.report, self._detector, reprobe=reprobe)
+        times = read_cpu_times()
+        result.report.cpu.percent = cpu_percent(self._cpu_times, times)
+        self._cpu_times = times
+        self.report = result.report
+        await sync_to_async(self._save)(agent.name, result)
+        await publish_node(agent.name)
+
+    async def stop(self, agent: Any) -> None:
+        """Nothing to stop: the worker owns no process."""
+        return None
+
+    @staticmethod
+    def _save(node_name: str, result: InventoryResult) -> None:
+        close_old_connections()
+        save_inventory(node_name=node_name, result=result)
