@@ -233,6 +233,9 @@ def plan_load(*, model_path: str, model_name: str | None = None, server_type: st
     if server_type not in (InstanceType.LLM, InstanceType.EMBEDDING):
         raise LoadRefused(400, f"server_type must be llm or embedding, not {str(server_type)[:40]!r}")
     target = pick_node(node)
+    if not target.detector and not target.backends:
+        raise LoadRefused(409, f"node {target.name} has not reported its hardware and backends yet (its agent is "
+                               "still starting); try again in a few seconds", code="node_not_ready")
     source = resolve_source(model_path, on_this_node=target.name == settings.NODE_NAME)
     name = (model_name or "").strip() or default_model_name(source)
     if not MODEL_NAME_RE.match(name):

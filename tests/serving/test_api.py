@@ -132,3 +132,9 @@ def test_unknown_instances(client, node, operator):
     err(post(client, "unload", {"id": 999}, operator.key), 404)
     err(post(client, "unload", {"model_name": "ghost"}, operator.key), 404)
     err(post(client, "unload", {}, operator.key), 400)
+
+
+def test_a_node_that_has_not_reported_yet_is_409(client, node, operator, tiny_gguf):
+    type(node).objects.filter(pk=node.pk).update(backends=[], detector="")
+    e = err(post(client, "load", {"model_path": str(tiny_gguf)}, operator.key), 409)
+    assert e["code"] == "node_not_ready" and "not reported its hardware" in e["message"]
