@@ -39,10 +39,20 @@ def state_changed(instance: ModelInstance, event: InstanceEvent | None = None) -
     else:
         row = render_to_string("serving/partials/_instance_row.html", {"i": instance, "oob": True})
         publish_sync(LIST_GROUP, row, key=f"inst-row-{instance.pk}")
+    publish_sync(LIST_GROUP, ready_count_html(oob=True), key="ready-count")
     state = render_to_string("serving/partials/_instance_state.html", {"inst": instance, "oob": True})
     publish_sync(instance_group(instance.pk), state, key=f"inst-state-{instance.pk}")
     if event is not None:
         publish_sync(instance_group(instance.pk), timeline_html(instance.pk, oob=True), key=f"timeline-{instance.pk}")
+
+
+def ready_count_html(*, oob: bool) -> str:
+    from serving.models import ACTIVE_STATES, InstanceState
+
+    active = ModelInstance.objects.filter(state__in=ACTIVE_STATES)
+    ready, total = active.filter(state=InstanceState.READY).count(), active.count()
+    attr = ' hx-swap-oob="true"' if oob else ""
+    return f'<span class="muted" id="ready-count"{attr}>{ready} ready of {total} active</span>'
 
 
 def list_body_html() -> str:

@@ -82,7 +82,8 @@ def estimate_gguf(path: Path, *, ctx: int | None = None) -> MemoryEstimate:
     """File size + KV cache (f16) for the context + overhead."""
     weights = int(path.stat().st_size / MIB) + 1
     head = gguf_header(path)
-    n_ctx = min(ctx or DEFAULT_CTX, int(head.get("ctx") or DEFAULT_CTX))
+    # llama.cpp allocates the KV cache for the context asked for, even beyond the trained one.
+    n_ctx = ctx or min(DEFAULT_CTX, int(head.get("ctx") or DEFAULT_CTX))
     kv = 0
     if head.get("n_layers") and head.get("n_embd"):
         n_head = int(head.get("n_head") or 1)

@@ -290,6 +290,11 @@ def nudge_node(node_name: str) -> None:
         log.warning("nudging node %s failed; it will reconcile on its own", node_name, exc_info=True)
 
 
+def name_holders() -> Q:
+    """Instances that hold their served name: active ones, and ones the agent will start again."""
+    return Q(state__in=ACTIVE_STATES) | (Q(desired_state=DesiredState.RUNNING) & Q(state=InstanceState.STOPPED))
+
+
 def request_load(*, model_path: str, model_name: str | None = None, server_type: str = "llm",
                  backend: str | None = None, node: str | None = None, gpus: list[int] | None = None,
                  tensor_parallel_size: int | None = None, extra_args: dict | None = None,
@@ -298,7 +303,7 @@ def request_load(*, model_path: str, model_name: str | None = None, server_type:
     plan = plan_load(model_path=model_path, model_name=model_name, server_type=server_type, backend=backend,
                      node=node, gpus=gpus, tensor_parallel_size=tensor_parallel_size, extra_args=extra_args)
     with transaction.atomic():
-        clash = ModelInstance.objects.select_for_update().filter(model_name=plan.model_name, state__in=ACTIVE_STATES)
+        clash = ModelInstance.objects.select_for_update().filter(model_name=plan.model_name).filter(name_holders())
         if clash.exists():
             other = clash.first()
             raise LoadRefused(409, f"a model named {plan.model_name!r} is already loaded (instance {other.pk}, "
@@ -348,7 +353,7 @@ def request_unload(*, instance: ModelInstance) -> ModelInstance:
 def request_restart(*, instance: ModelInstance) -> ModelInstance:
     """Stop (if running) and start again; an ERROR or STOPPED instance is started afresh."""
     if instance.state in (InstanceState.STOPPED, InstanceState.ERROR):
-        clash = ModelInstance.objects.filter(model_name=instance.model_name, state__in=ACTIVE_STATES) \
+        clash = ModelInstance.objects.filter(model_name=instance.model_name).filter(name_holders()) \
             .exclude(pk=instance.pk)
         if clash.exists():
             raise LoadRefused(409, f"another instance now serves {instance.model_name!r}",

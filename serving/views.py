@@ -47,6 +47,7 @@ def _node_choices() -> list[Node]:
 
 
 def _gpu_choices(node_name: str | None) -> list[tuple[int, str]]:
+    """(index, label with free memory) for the GPUs of a node."""
     node = Node.objects.filter(name=node_name).first() if node_name else Node.fresh().first()
     if node is None:
         return []
@@ -86,6 +87,7 @@ def load_verdict(request: HttpRequest) -> HttpResponse:
     except LoadRefused as exc:
         ctx["error"] = exc.message
     ctx["gpu_choices"] = _gpu_choices(request.GET.get("node"))
+    ctx["selected_gpus"] = {int(g) for g in request.GET.getlist("gpus") if str(g).isdigit()}
     return render(request, "serving/partials/_load_verdict.html", ctx)
 
 

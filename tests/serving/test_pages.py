@@ -131,3 +131,24 @@ async def test_websockets_carry_state_rows_and_log_lines(node, viewer, tiny_gguf
     assert "&lt;b&gt;not html&lt;/b&gt;" in got and "beforeend:#log" in got
     await listing.disconnect()
     await one.disconnect()
+
+
+@pytest.mark.django_db
+def test_verdict_on_a_gpu_node_lists_gpus_and_keeps_the_choice(node, operator, tiny_gguf):
+    from hardware.models import GpuDevice
+
+    node.backends = [{"name": "llama-server", "available": True, "version": "b6500", "flavour": "cuda",
+                      "path": "/opt/llama-server", "reason": ""}]
+    node.save()
+    for i, used in ((0, 1000), (1, 20000)):
+        GpuDevice.objects.create(node=node, index=i, vendor="NVIDIA", type="NVIDIA", name="L4",
+                                 memory_total_mib=24000, memory_used_mib=used)
+    v = logged_in(operator).get("/instances/new/verdict", {"model_path": str(tiny_gguf), "node": NODE, "gpus": "1"})
+    html = v.content.decode()
+    assert "fits on GPU 1 of node-t: needs ~0.5 GiB of 3.9 GiB free" in html
+    assert "GPU 0 · L4 · 22.5 of 23.4 GiB free" in html
+    assert 'value="1" checked' in html and 'value="0" checked' not in html
+    assert "/opt/llama-server -m" in html and "-ngl 999" in html
+    too_big = logged_in(operator).get("/instances/new/verdict", {"model_path": str(tiny_gguf), "node": NODE,
+                                                                 "extra_args": "--ctx-size 99999999"})
+    assert "needs ~" in too_big.content.decode() and "largest free is" in too_big.content.decode()
