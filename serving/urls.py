@@ -9,5 +9,6 @@ urlpatterns = [
     path("instances/<int:pk>/", views.instance_detail, name="instance-detail"),
     path("instances/<int:pk>/log", views.instance_log, name="instance-log"),
     path("instances/<int:pk>/playground", views.playground, name="instance-playground"),
-    path("instances/<int:pk>/<str:action>", views.instance_action, name="instance-action"),
+    path("instances/<int:pk>/unload", views.instance_unload, name="instance-unload"),
+    path("instances/<int:pk>/restart", views.instance_restart, name="instance-restart"),
 ]

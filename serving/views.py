@@ -168,7 +168,17 @@ def instance_log(request: HttpRequest, pk: int) -> FileResponse:
 
 @role_required(Role.OPERATOR)
 @require_POST
-def instance_action(request: HttpRequest, pk: int, action: str) -> HttpResponse:
+def instance_unload(request: HttpRequest, pk: int) -> HttpResponse:
+    return _instance_action(request, pk, "unload")
+
+
+@role_required(Role.OPERATOR)
+@require_POST
+def instance_restart(request: HttpRequest, pk: int) -> HttpResponse:
+    return _instance_action(request, pk, "restart")
+
+
+def _instance_action(request: HttpRequest, pk: int, action: str) -> HttpResponse:
     inst = get_object_or_404(ModelInstance.objects.select_related("node"), pk=pk)
     try:
         if action == "unload":
