@@ -164,7 +164,9 @@ class NodeAgent:
 
     def _heartbeat(self) -> None:
         close_old_connections()
-        record_heartbeat(name=self.name)
+        # Workers that own backend processes expose them as `runs` (the supervisor).
+        running = sum(len(getattr(w, "runs", {})) for w in self.workers)
+        record_heartbeat(name=self.name, instances_running=running)
 
     async def _nudge_listener(self) -> None:
         """Web processes `group_send` to node.<name>; any message wakes the reconcile loop."""

@@ -270,7 +270,7 @@ def plan_load(*, model_path: str, model_name: str | None = None, server_type: st
     gpu_kind = gpu_type if chosen else ""
     spec = LaunchSpec(
         model_file=source.local_path or Path(source.model_path), model_name=name, server_type=server_type,
-        host="127.0.0.1" if target.address in ("127.0.0.1", "localhost") else "0.0.0.0", port=0,
+        host="127.0.0.1" if target.address in ("", "localhost") else target.address, port=0,
         gpus=tuple(chosen), gpu_type=gpu_kind, flavour=choice.flavour, version=choice.version,
         executable=choice.path, tensor_parallel_size=tp, extra_args=extra,
     )

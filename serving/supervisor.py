@@ -105,6 +105,15 @@ def pid_alive(pid: int) -> bool:
     return state is not None and state != "Z"
 
 
+def bind_host(node_address: str) -> str:
+    """Backends listen only where web processes reach them (the node's address), never on every interface."""
+    return "127.0.0.1" if node_address in ("", "localhost") else node_address
+
+
+def url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
 def instance_log_dir(instance_id: int) -> Path:
     return Path(settings.LOG_DIR) / "instances" / str(instance_id)
 
@@ -345,7 +354,7 @@ class Supervisor(AgentWorker):
             port = pick_port(taken=taken, prefer=inst.port)
         except PlacementError as exc:
             raise LoadFailed(str(exc)) from None
-        host = "127.0.0.1" if node.address in ("127.0.0.1", "localhost") else "0.0.0.0"
+        host = bind_host(node.address)
         return LaunchSpec(
             model_file=model_file, model_name=inst.model_name, server_type=inst.type, host=host, port=port,
             gpus=tuple(inst.gpus or ()), gpu_type=(sorted(set(gpu_types))[0] if inst.gpus and gpu_types else ""),
@@ -436,7 +445,7 @@ class Supervisor(AgentWorker):
 
     async def _wait_healthy(self, run: BackendRun, timeout: float) -> str:
         """'ok' once the backend's own health answers; else why not (exited / timed out)."""
-        url = f"http://127.0.0.1:{run.port}{run.adapter.health_path}"
+        url = f"http://{url_host(run.spec.host)}:{run.port}{run.adapter.health_path}"
         started = time.monotonic()
         deadline = started + timeout
         while time.monotonic() < deadline:
@@ -458,7 +467,8 @@ class Supervisor(AgentWorker):
     async def _warm_up(self, run: BackendRun) -> str | None:
         path, body = run.adapter.warmup_request(run.spec)
         try:
-            r = await self.http.post(f"http://127.0.0.1:{run.port}{path}", json=body, timeout=WARMUP_TIMEOUT_S)
+            r = await self.http.post(f"http://{url_host(run.spec.host)}:{run.port}{path}", json=body,
+                                     timeout=WARMUP_TIMEOUT_S)
         except httpx.HTTPError as exc:
             return f"the warm-up request to {path} failed: {exc.__class__.__name__}"
         if r.status_code != 200:
@@ -578,7 +588,8 @@ class Supervisor(AgentWorker):
             healthy = False
             if inst.state == InstanceState.READY:
                 try:
-                    r = await self.http.get(f"http://127.0.0.1:{inst.port}{adapter.health_path}", timeout=3.0)
+                    host = url_host(bind_host(inst.node.address))
+                    r = await self.http.get(f"http://{host}:{inst.port}{adapter.health_path}", timeout=3.0)
                     healthy = r.status_code == 200
                 except httpx.HTTPError:
                     healthy = False
