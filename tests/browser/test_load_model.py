@@ -55,6 +55,9 @@ def test_load_watch_chat_unload(console, page, tiny_gguf):
     page.locator("#log .line", has_text="Uvicorn running on").first.wait_for()
     lines_before = page.locator("#log .line").count()
 
+    # Reading up pauses the follow; new lines then do not yank the view back down.
+    page.locator("#log").evaluate("el => { el.scrollTop = 0; el.dispatchEvent(new Event('scroll')); }")
+    page.locator("#log-follow").get_by_text("paused").wait_for()
     page.fill("#prompt", "hello there")
     page.click("#playground-form button[type=submit]")
     page.locator("#reply-text").wait_for()
@@ -62,6 +65,9 @@ def test_load_watch_chat_unload(console, page, tiny_gguf):
     # The backend's access-log line for that chat streams into the open page.
     page.wait_for_function(f"document.querySelectorAll('#log .line').length > {lines_before}")
     assert page.locator("#log .line").count() > lines_before
+    assert page.locator("#log").evaluate("el => el.scrollTop") == 0
+    page.locator("#log").evaluate("el => { el.scrollTop = el.scrollHeight; el.dispatchEvent(new Event('scroll')); }")
+    page.locator("#log-follow").get_by_text("following").wait_for()
 
     page.fill("#log-filter", "chat/completions")
     visible = page.locator("#log .line:visible")
