@@ -1,4 +1,147 @@
-from ninja import Router
+"""The model store and download API (see /work/shared/api.md)."""
+from __future__ import annotations
+
+from django.http import HttpRequest
+from django.shortcuts import get_object_or_404
+from ninja import Query, Router, Schema, Status
+
+from hub import services
+from hub.events import publish_new_job
+from hub.models import DownloadJob, ModelArtifact
+from hub.paths import FORMAT_ROOTS, InvalidPrefix, validate_relative_path
+from hub.schemas import (
+    ArtifactOut,
+    DeletedOut,
+    DownloadIn,
+    DownloadJobOut,
+    ModelPageOut,
+    RefreshOut,
+    UploadIn,
+)
+from hub.store import StoreError
+from hub.views import cached_on_map
+from xgenconsole.auth import admin_auth, operator_auth, require_role
+from xgenconsole.errors import ApiError
 
 storage_router = Router()
 download_router = Router()
+
+PAGE_SIZE = 100
+
+
+def _bad_input(exc: Exception) -> ApiError:
+    return ApiError(400, str(exc), code="invalid_path" if isinstance(exc, InvalidPrefix) else "invalid_request")
+
+
+def _store_failed(exc: StoreError) -> ApiError:
+    return ApiError(502, f"The model store failed: {exc}", code="store_unavailable")
+
+
+class ModelQuery(Schema):
+    prefix: str = ""
+    page: int = 1
+
+
+def _clean_filter(prefix: str) -> str:
+    """A listing filter may be partial (`gguf/`, `gguf/Qw`) but never a traversal."""
+    if not prefix:
+        return ""
+    validate_relative_path(prefix.rstrip("/") or "/", what="prefix filter")
+    if prefix.split("/", 1)[0] not in FORMAT_ROOTS and not any(r.startswith(prefix) for r in FORMAT_ROOTS):
+        raise InvalidPrefix(f"The prefix filter must start with gguf/ or huggingface/, not {prefix!r}.")
+    return prefix
+
+
+@storage_router.get("/models", response=ModelPageOut, summary="Models in the store (paginated)")
+def list_models(request: HttpRequest, query: Query[ModelQuery]):
+    try:
+        prefix = _clean_filter(query.prefix)
+    except InvalidPrefix as exc:
+        raise _bad_input(exc) from None
+    if query.page < 1:
+        raise ApiError(400, "page must be 1 or more.", code="invalid_request")
+    rows = ModelArtifact.objects.filter(prefix__startswith=prefix).only(
+        "prefix", "format", "size_bytes", "file_count", "complete", "source_repo")
+    start = (query.page - 1) * PAGE_SIZE
+    page = list(rows[start : start + PAGE_SIZE + 1])
+    has_next = len(page) > PAGE_SIZE
+    page = page[:PAGE_SIZE]
+    cached = cached_on_map([a.prefix for a in page])
+    items = [{"prefix": a.prefix, "format": a.format, "size_bytes": a.size_bytes, "file_count": a.file_count,
+              "complete": a.complete, "cached_on": sorted(cached.get(a.prefix, [])), "source_repo": a.source_repo}
+             for a in page]
+    return {"items": items, "next": query.page + 1 if has_next else None}
+
+
+@storage_router.post("/refresh", response=RefreshOut, auth=operator_auth,
+                     summary="Re-read the store into the index (operator+)")
+def refresh(request: HttpRequest):
+    require_role(request, "operator")
+    try:
+        return {"models": services.refresh_index()}
+    except StoreError as exc:
+        raise _store_failed(exc) from None
+
+
+@storage_router.delete("/models/{path:prefix}", response=DeletedOut, auth=admin_auth, summary="Delete a model (admin)")
+def delete_model(request: HttpRequest, prefix: str):
+    require_role(request, "admin")
+    try:
+        removed = services.delete_model(prefix=prefix)
+    except InvalidPrefix as exc:
+        raise _bad_input(exc) from None
+    except StoreError as exc:
+        raise _store_failed(exc) from None
+    return {"prefix": prefix.rstrip("/"), "deleted_objects": removed}
+
+
+@storage_router.post("/upload", response=ArtifactOut, auth=operator_auth,
+                     summary="Upload a file or folder on the server (operator+)")
+def upload(request: HttpRequest, body: UploadIn):
+    require_role(request, "operator")
+    try:
+        return services.upload_local_model(local_path=body.local_path, format=body.format, name=body.name)
+    except (InvalidPrefix, services.HubInputError) as exc:
+        raise _bad_input(exc) from None
+    except StoreError as exc:
+        raise _store_failed(exc) from None
+
+
+def _job_out(job: DownloadJob) -> dict:
+    return {
+        "id": job.pk, "repo_id": job.repo_id, "revision": job.revision, "format": job.format, "status": job.status,
+        "bytes_done": job.bytes_done, "bytes_total": job.bytes_total, "error": job.error or None,
+        "target_prefix": job.target_prefix, "allow_patterns": job.allow_patterns or [], "files": job.files or [],
+        "node": job.node, "created_at": job.created_at, "finished_at": job.finished_at,
+    }
+
+
+@download_router.post("", response={202: DownloadJobOut}, auth=operator_auth,
+                      summary="Start a Hugging Face download (operator+)")
+def start_download(request: HttpRequest, body: DownloadIn):
+    user = require_role(request, "operator")
+    try:
+        job = services.create_download_job(repo_id=body.repo_id, revision=body.revision, format=body.format,
+                                           allow_patterns=body.allow_patterns, user=user)
+    except (InvalidPrefix, services.HubInputError) as exc:
+        raise _bad_input(exc) from None
+    publish_new_job(job)
+    return Status(202, _job_out(job))
+
+
+@download_router.get("", response=list[DownloadJobOut], summary="Recent download jobs")
+def list_downloads(request: HttpRequest):
+    return [_job_out(j) for j in DownloadJob.objects.all()[:100]]
+
+
+@download_router.get("/{job_id}", response=DownloadJobOut, summary="One download job")
+def get_download(request: HttpRequest, job_id: int):
+    return _job_out(get_object_or_404(DownloadJob, pk=job_id))
+
+
+@download_router.post("/{job_id}/cancel", response=DownloadJobOut, auth=operator_auth,
+                      summary="Cancel a download (operator+)")
+def cancel_download(request: HttpRequest, job_id: int):
+    require_role(request, "operator")
+    job = get_object_or_404(DownloadJob, pk=job_id)
+    return _job_out(services.request_cancel(job=job))

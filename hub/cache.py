@@ -13,6 +13,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -122,6 +123,16 @@ def _manifest_matches_local(manifest: Manifest, local: dict | None, local_dir: P
     return True
 
 
+def _offline_copy(local_dir: Path, prefix: str) -> int | None:
+    """Bytes of a complete local copy whose files still match their last verification, else None."""
+    local = read_local_manifest(local_dir)
+    if not local or local.get("prefix") != prefix or not local.get("files"):
+        return None
+    if not all(_file_unchanged(local_dir, rec) for rec in local["files"]):
+        return None
+    return sum(int(rec.get("size", 0)) for rec in local["files"])
+
+
 def is_cached(prefix: str, *, store: ModelStore | None = None) -> bool:
     """True when the local copy matches the store's manifest (one small GET, no per-file requests)."""
     local_dir = cache_dir_for(prefix)
@@ -181,27 +192,34 @@ class _Cancelled(Exception):
 
 
 def _fetch_file(store: ModelStore, prefix: str, f: ManifestFile, local_dir: Path, on_bytes: Callable[[int], None],
-                stop: threading.Event) -> int:
+                stop: threading.Event, *, hash_bytes: bool) -> int:
+    """Fetch one file to `<name>.part` and rename it into place only once it checks out:
+    size, the store's ETag equal to the manifest's (the very object the manifest describes),
+    and, when asked or when there is no ETag to compare, the sha256."""
     dest = safe_join(local_dir, f.path)
     dest.parent.mkdir(parents=True, exist_ok=True)
     part = dest.with_name(dest.name + PART)
-    digest = hashlib.sha256()
+    hash_bytes = hash_bytes or not f.etag
+    digest = hashlib.sha256() if hash_bytes else None
     written = 0
 
     def on_chunk(chunk: bytes) -> None:
         nonlocal written
         if stop.is_set():
             raise _Cancelled()
-        digest.update(chunk)
+        if digest is not None:
+            digest.update(chunk)
         written += len(chunk)
         on_bytes(len(chunk))
 
     try:
         with open(part, "wb") as fh:
-            store.stream_to(f"{prefix}/{f.path}", fh, on_chunk=on_chunk)
+            etag = store.stream_to(f"{prefix}/{f.path}", fh, on_chunk=on_chunk)
         if written != f.size:
             raise CacheCorrupt(f"{prefix}/{f.path}: got {written} bytes, the manifest says {f.size}")
-        if f.sha256 and digest.hexdigest() != f.sha256:
+        if f.etag and etag and etag != f.etag:
+            raise CacheCorrupt(f"{prefix}/{f.path} changed in the store after its manifest was written")
+        if digest is not None and f.sha256 and digest.hexdigest() != f.sha256:
             raise CacheCorrupt(f"{prefix}/{f.path}: checksum differs from the manifest")
         os.replace(part, dest)
     except BaseException:
@@ -231,7 +249,8 @@ def sync_to_cache(
 ) -> Path:
     """Make MODELS_DIR/<prefix> a verified copy of the store model and return that folder.
 
-    Only files that differ from the manifest (size, ETag, sha256) are fetched. `verify=True`
+    Only files that differ from the manifest (size, ETag, sha256) are fetched; each fetched file
+    must match the manifest's size and ETag. `verify=True` also hashes every fetched byte and
     re-hashes every cached file even when its recorded size and mtime match. Raises
     ModelNotInStore for an incomplete or missing model, CacheError/StoreError on failure; a
     failed or killed sync never leaves a file or a local manifest that passes as complete.
@@ -239,7 +258,17 @@ def sync_to_cache(
     prefix = validate_prefix(prefix)
     store = store or get_store()
     local_dir = cache_dir_for(prefix)
-    manifest = store.read_manifest(prefix)
+    try:
+        manifest = store.read_manifest(prefix)
+    except StoreError:
+        # The store is down: a copy verified earlier and untouched since is still good to load.
+        offline = _offline_copy(local_dir, prefix)
+        if offline is None:
+            raise
+        log.warning("store %s unreachable; using the verified local copy of %s", store.describe(), prefix)
+        if progress:
+            progress(offline, offline)
+        return local_dir
     if manifest is None:
         raise ModelNotInStore(f"{prefix} is not a complete model in the store ({store.describe()}).")
     if manifest.prefix != prefix:
@@ -292,7 +321,8 @@ def sync_to_cache(
             if fetch:
                 workers = max(1, min(settings.CACHE_SYNC_WORKERS, len(fetch)))
                 with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="cache-sync") as pool:
-                    futures = [pool.submit(_fetch_file, store, prefix, f, local_dir, on_bytes, stop) for f in fetch]
+                    futures = [pool.submit(_fetch_file, store, prefix, f, local_dir, on_bytes, stop, hash_bytes=verify)
+                               for f in fetch]
                     pending = set(futures)
                     last_record = time.monotonic()
                     while pending:
@@ -348,7 +378,9 @@ def resolve_model_path(local_dir: Path, fmt: str, filename: str | None = None) -
         ggufs = [p for p in local_dir.rglob("*.gguf") if p.is_file()]
         if not ggufs:
             raise CacheError(f"no .gguf file in {local_dir}")
-        return max(ggufs, key=lambda p: (p.stat().st_size, -len(p.as_posix())))
+        # A split model (`x-00001-of-00003.gguf`) loads from its first shard.
+        first_shards = [p for p in ggufs if re.search(r"-0*1-of-\d+\.gguf$", p.name)]
+        return max(first_shards or ggufs, key=lambda p: (p.stat().st_size, -len(p.as_posix())))
     if fmt == "huggingface":
         if (local_dir / "config.json").is_file():
             return local_dir

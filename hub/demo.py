@@ -114,3 +114,27 @@ def write_tiny_llama_gguf(path: Path | str, *, seed: int = 0, name: str = "xgen-
     writer.close()
     tmp.replace(path)
     return path
+
+
+DEMO_PREFIX = "gguf/xgen-tiny-demo"
+
+
+def ensure_demo_model(store=None) -> str:
+    """Put the tiny GGUF in the store as gguf/xgen-tiny-demo (complete, manifest last) when
+    settings.DEMO_MODEL is on and the store lacks it, and index it; returns the prefix."""
+    import tempfile
+
+    from django.conf import settings
+
+    from hub.services import index_prefix
+    from hub.store import get_store
+
+    store = store or get_store()
+    if not settings.DEMO_MODEL:
+        return DEMO_PREFIX
+    if not store.exists(DEMO_PREFIX):
+        with tempfile.TemporaryDirectory(prefix="xgen-demo-") as tmp:
+            path = write_tiny_llama_gguf(Path(tmp) / "xgen-tiny-demo.gguf", seed=0, name="xgen-tiny-demo")
+            store.upload_model(DEMO_PREFIX, path, source={"demo": True})
+    index_prefix(DEMO_PREFIX, store=store)
+    return DEMO_PREFIX

@@ -1,3 +1,8 @@
-from django.urls import path  # noqa: F401
+from django.urls import path
 
-websocket_urlpatterns: list = []
+from hub.consumers import DownloadsConsumer, UploadsConsumer
+
+websocket_urlpatterns = [
+    path("ws/downloads/", DownloadsConsumer.as_asgi()),
+    path("ws/uploads/", UploadsConsumer.as_asgi()),
+]

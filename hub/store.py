@@ -36,6 +36,7 @@ from hub.paths import (
 log = logging.getLogger("xgen.hub.store")
 
 CHUNK = 1024 * 1024
+READ_CAP = 8 * 1024 * 1024
 MANIFEST_VERSION = 1
 # Paths a local model folder may hold that are never part of the model.
 SKIPPED_DIRS = {".cache", ".git", ".locks"}
@@ -155,6 +156,8 @@ class _HashingReader(io.RawIOBase):
     def read(self, size: int = -1) -> bytes:
         if self._cancel is not None and self._cancel.is_set():
             raise StoreError("upload cancelled")
+        # Capped so progress and cancel act within a part (the SDK would read 64 MiB at once).
+        size = READ_CAP if size is None or size < 0 else min(size, READ_CAP)
         data = self._fh.read(size)
         self.sha.update(data)
         if data and self._progress:

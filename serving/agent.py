@@ -19,6 +19,7 @@ from django.db import close_old_connections
 
 from hardware.inventory import InventoryWorker
 from hardware.services import record_heartbeat, register_node
+from hub.worker import HubWorker
 
 log = logging.getLogger("xgen.agent")
 
@@ -53,6 +54,7 @@ def default_workers() -> list[AgentWorker]:
 
     workers: list[AgentWorker] = []
     workers.append(InventoryWorker())  # hardware: GPUs, CPU/RAM and backends; refreshed live
+    workers.append(HubWorker())  # hub: store index, demo model, Hugging Face download jobs
     workers.append(Supervisor())  # serving: backend processes of this node's instances
     return workers
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import http.client
 import threading
+import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -51,6 +52,8 @@ class CountingProxy:
     target: tuple[str, int]
     counts: Counter = field(default_factory=Counter)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    dead: bool = False  # set to make the "store" vanish: every request is dropped unanswered
+    put_delay: float = 0.0  # slows uploads so a test can act half-way
 
     @property
     def endpoint(self) -> str:
@@ -75,6 +78,11 @@ def _proxy_handler(proxy_ref: list) -> type[BaseHTTPRequestHandler]:
 
         def _forward(self) -> None:
             proxy: CountingProxy = proxy_ref[0]
+            if proxy.dead:
+                self.close_connection = True
+                return
+            if self.command == "PUT" and proxy.put_delay:
+                time.sleep(proxy.put_delay)
             with proxy.lock:
                 proxy.counts[(self.command, self.path.split("?", 1)[0])] += 1
             length = int(self.headers.get("Content-Length") or 0)

@@ -174,6 +174,60 @@ def test_two_concurrent_syncs_transfer_once(counted):
         assert proxy.gets(f"/{PREFIX}/{name}") == 1, name
 
 
+def test_a_sync_in_another_process_and_one_here_transfer_once(counted, settings):
+    store, proxy = counted
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "xgenconsole.settings",
+           "XGEN_DATA_DIR": str(settings.MODELS_DIR.parent / "child-data"),
+           "XGEN_MODELS_DIR": str(settings.MODELS_DIR), "MINIO_ENDPOINT": proxy.endpoint,
+           "MINIO_ACCESS_KEY": "testing-access", "MINIO_SECRET_KEY": "testing-secret-key",
+           "MINIO_BUCKET": "xgen-test-models", "XGEN_CACHE_SYNC_WORKERS": "2"}
+    proc = subprocess.Popen([PYTHON, "-m", "tests.hub.sync_child", PREFIX, "0.05"], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in proc.stdout:  # the child holds the model lock once bytes flow
+            if line.startswith("progress") and int(line.split()[1]) > 0:
+                break
+        local = sync_to_cache(PREFIX, node_name="n1", store=store)  # waits for the child's lock
+        out = proc.stdout.read()
+    finally:
+        proc.wait(timeout=30)
+        proc.stdout.close()
+    assert proc.returncode == 0 and "done" in out
+    assert last_sync_stats[PREFIX].files_fetched == 0
+    for name, data in FILES.items():
+        assert proxy.gets(f"/{PREFIX}/{name}") == 1, name
+        assert (local / name).read_bytes() == data
+
+
+def test_a_verified_copy_loads_while_the_store_is_down(counted):
+    from hub.store import StoreError
+
+    store, proxy = counted
+    local = sync_to_cache(PREFIX, node_name="n1", store=store)
+    proxy.dead = True
+    assert sync_to_cache(PREFIX, node_name="n1", store=store) == local
+    with open(local / "shard-0.bin", "r+b") as fh:  # a damaged copy is not trusted offline
+        fh.truncate(10)
+    with pytest.raises(StoreError):
+        sync_to_cache(PREFIX, node_name="n1", store=store)
+
+
+def test_an_object_replaced_after_its_manifest_is_refused(counted):
+    from hub.cache import CacheCorrupt
+
+    store, _ = counted
+    store.put_bytes(f"{PREFIX}/shard-4.bin", os.urandom(len(FILES["shard-4.bin"])))  # same size, other bytes
+    with pytest.raises(CacheCorrupt, match="changed in the store"):
+        sync_to_cache(PREFIX, node_name="n1", store=store)
+    _assert_nothing_passes_as_complete(cache_dir_for(PREFIX))
+
+
+def test_verify_hashes_every_fetched_byte(counted):
+    store, _ = counted
+    local = sync_to_cache(PREFIX, node_name="n1", store=store, verify=True)
+    assert (local / "shard-5.bin").read_bytes() == FILES["shard-5.bin"]
+
+
 def test_a_model_without_manifest_is_never_synced(counted):
     store, _ = counted
     store.put_bytes("gguf/partial/a.gguf", b"x")
@@ -228,7 +282,26 @@ def test_resolve_model_path(tmp_path):
     assert resolve_model_path(g, "gguf", "small.gguf") == (g / "small.gguf").resolve()
     with pytest.raises(InvalidPrefix):
         resolve_model_path(g, "gguf", "../g/small.gguf")
+    split = make_model_dir(tmp_path / "s", {"m-00001-of-00002.gguf": b"a", "m-00002-of-00002.gguf": b"b" * 9})
+    assert resolve_model_path(split, "gguf") == split / "m-00001-of-00002.gguf"
     h = make_model_dir(tmp_path / "h", {"snap/config.json": b"{}", "snap/model.safetensors": b"w"})
     assert resolve_model_path(h, "huggingface") == h / "snap"
     flat = make_model_dir(tmp_path / "f", {"config.json": b"{}"})
     assert resolve_model_path(flat, "huggingface") == flat
+
+
+def test_big_files_go_up_in_parts_and_come_back_verified(s3, hub_dirs, tmp_path):
+    store = minio_store_for(s3)
+    big = tmp_path / "big" / "model.gguf"
+    big.parent.mkdir()
+    with open(big, "wb") as fh:
+        for i in range(70):
+            fh.write(bytes([i]) * 2**20)
+    seen = []
+    manifest = store.upload_model("gguf/big", big, progress=lambda d, t: seen.append(d))
+    [entry] = manifest.files
+    assert entry.etag.endswith("-2")  # multipart: 64 MiB parts
+    assert len(seen) >= 9 and seen[-1] == 70 * 2**20  # progress within each part
+    local = sync_to_cache("gguf/big", node_name="n1", store=store)
+    assert hashlib.sha256((local / "model.gguf").read_bytes()).hexdigest() == entry.sha256
+    assert resolve_model_path(local, "gguf") == local / "model.gguf"

@@ -1,0 +1,44 @@
+"""manage.py hub_upload PATH --format gguf|huggingface --name NAME"""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+from django.core.management.base import BaseCommand, CommandError
+
+from hub import services
+from hub.paths import FORMAT_ROOTS, InvalidPrefix
+from hub.store import StoreError, get_store
+
+
+class Command(BaseCommand):
+    help = "Upload a local GGUF file or model folder into the model store (manifest last) and index it."
+
+    def add_arguments(self, parser) -> None:
+        parser.add_argument("path", help="a .gguf file, or a folder (Hugging Face layout or GGUF files)")
+        parser.add_argument("--format", required=True, choices=FORMAT_ROOTS)
+        parser.add_argument("--name", required=True, help="the model's name in the store: <format>/<name>")
+
+    def handle(self, *args, **opts) -> None:
+        store = get_store()
+        last = [0.0]
+
+        def progress(done: int, total: int) -> None:
+            now = time.monotonic()
+            if now - last[0] >= 0.5 or done == total:
+                last[0] = now
+                pct = 100.0 * done / total if total else 100.0
+                sys.stderr.write(f"\r{done / 2**20:,.1f} / {total / 2**20:,.1f} MiB ({pct:5.1f} %)")
+                sys.stderr.flush()
+
+        try:
+            artifact = services.upload_local_model(local_path=str(Path(opts["path"]).resolve()), format=opts["format"],
+                                                   name=opts["name"], store=store, progress=progress)
+        except (InvalidPrefix, services.HubInputError) as exc:
+            raise CommandError(str(exc)) from None
+        except StoreError as exc:
+            raise CommandError(f"the store failed: {exc}") from None
+        sys.stderr.write("\n")
+        self.stdout.write(f"{artifact.prefix}: {artifact.file_count} files, {artifact.size_bytes} bytes "
+                          f"in {store.describe()}")

@@ -1,0 +1,67 @@
+from datetime import datetime
+
+from ninja import Field, Schema
+
+
+class StoredModelOut(Schema):
+    prefix: str
+    format: str
+    size_bytes: int
+    file_count: int
+    complete: bool
+    cached_on: list[str]
+    source_repo: str = ""
+
+
+class ModelPageOut(Schema):
+    items: list[StoredModelOut]
+    next: int | None
+
+
+class UploadIn(Schema):
+    local_path: str = Field(..., max_length=4096)
+    format: str = Field(..., max_length=32)
+    name: str = Field(..., max_length=255)
+
+
+class ArtifactOut(Schema):
+    prefix: str
+    format: str
+    name: str
+    size_bytes: int
+    file_count: int
+    complete: bool
+    files: list[dict]
+
+
+class DownloadIn(Schema):
+    repo_id: str = Field(..., max_length=255)
+    revision: str | None = Field(None, max_length=128)
+    format: str = Field(..., max_length=32)
+    allow_patterns: list[str] | None = None
+
+
+class DownloadJobOut(Schema):
+    id: int
+    repo_id: str
+    revision: str
+    format: str
+    status: str
+    bytes_done: int
+    bytes_total: int
+    error: str | None
+    target_prefix: str
+    allow_patterns: list[str]
+    files: list[dict]
+    node: str
+    created_at: datetime
+    finished_at: datetime | None
+
+
+class DeletedOut(Schema):
+    prefix: str
+    deleted_objects: int
+
+
+class RefreshOut(Schema):
+    models: int
