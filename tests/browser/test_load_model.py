@@ -1,39 +1,39 @@
-"""In a real Chromium: Models -> Load -> watch the log stream and READY -> chat -> Unload."""
+"""In a real Chromium, as a newcomer: Models -> Load on the demo model -> watch the log stream and
+READY -> chat in the playground -> Unload."""
 from __future__ import annotations
 
-import json
 import re
 import time
+from collections.abc import Iterator
 
 import pytest
 
 from tests.browser.conftest import login
-from tests.serving.conftest import LLAMA_CPP_PYTHON
+from tests.conftest import Console, start_console
+from tests.procs import stop_process
 
 pytestmark = pytest.mark.browser
 
 
-def _prepare(console, tiny_gguf) -> None:
-    """The node's backends as the probe reports them, and the tiny model in the store and its index."""
-    code = (
-        "import json; from pathlib import Path; from hardware.models import Node; from hub.models import ModelArtifact; "
-        "from hub.store import get_store; "
-        f"n = Node.objects.filter(name='test-node').update(backends=json.loads({json.dumps([LLAMA_CPP_PYTHON])!r})); "
-        f"get_store().upload_model('gguf/xgen-tiny-demo', Path({str(tiny_gguf)!r})); "
-        "ModelArtifact.objects.update_or_create(prefix='gguf/xgen-tiny-demo', defaults=dict(format='gguf', "
-        f"name='xgen-tiny-demo', complete=True, size_bytes={tiny_gguf.stat().st_size}, file_count=1)); print(n)"
-    )
-    deadline = time.monotonic() + 30
-    while (done := console.manage("shell", "-v", "0", "-c", code, check=False)).stdout.strip() != "1":
-        assert time.monotonic() < deadline, f"the node never registered: {done.stdout[-500:]} {done.stderr[-2000:]}"
-        time.sleep(0.2)
+@pytest.fixture(scope="module")
+def demo_console(tmp_path_factory) -> Iterator[Console]:
+    """A newcomer's console: the demo model on, backends as the node's own probe finds them."""
+    c = start_console(tmp_path_factory.mktemp("demo-console"), extra_env={"XGEN_DEMO_MODEL": "true"})
+    yield c
+    code = stop_process(c.proc, timeout=30)
+    assert code == 0, f"console exited with {code}:\n{c.log[-3000:]}"
 
 
-def test_load_watch_chat_unload(console, page, tiny_gguf):
-    _prepare(console, tiny_gguf)
+def test_load_watch_chat_unload(demo_console, page):
+    console = demo_console
     login(page, console.url, console.admin_user, console.admin_password)
-    page.goto(f"{console.url}/models/")
     row = page.locator("tr", has_text="gguf/xgen-tiny-demo")
+    deadline = time.monotonic() + 30
+    while True:  # the agent's first start puts the demo model in the store
+        page.goto(f"{console.url}/models/")
+        if row.count() or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     row.get_by_role("link", name="Load").click()
     assert "/instances/new/?model_path=gguf/xgen-tiny-demo" in page.url
     verdict = page.locator("#load-verdict")
