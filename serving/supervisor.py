@@ -462,7 +462,7 @@ class Supervisor(AgentWorker):
                 fast = time.monotonic() - started < FAST_POLL_FOR_S
                 await asyncio.wait_for(run.ready_hint.wait(), HEALTH_POLL_FAST_S if fast else HEALTH_POLL_S)
             run.ready_hint.clear()
-        return f"{run.adapter.label} did not answer {run.adapter.health_path} within {int(timeout)} s"
+        return f"{run.adapter.label} did not answer {run.adapter.health_path} within {timeout:g} s"
 
     async def _warm_up(self, run: BackendRun) -> str | None:
         path, body = run.adapter.warmup_request(run.spec)

@@ -177,3 +177,18 @@ async def test_crash_beyond_the_restart_limit_stays_in_error(agent, tiny_gguf, s
         await __import__("asyncio").sleep(0.1)
     assert "gave up after 0 restarts" in inst.state_message and "SIGKILL" in inst.state_message
     assert inst.restarts == 0 and inst.pid is None
+
+
+async def test_a_backend_that_is_not_healthy_in_time_is_stopped_with_an_error(agent, tiny_gguf, serving_settings):
+    # Far below the interpreter's own start-up time: the health check cannot answer in time.
+    serving_settings.LOAD_TIMEOUT_LLAMA_S = 0.05
+    inst = await sync_to_async(_load)(tiny_gguf, "tiny-slow")
+    inst = await wait_state(inst.pk, {InstanceState.ERROR}, timeout=30)
+    assert inst.state_message == "llama-cpp-python did not answer /v1/models within 0.05 s"
+    assert inst.pid is None and inst.restarts == 0
+    assert [to for _, to in await sync_to_async(_events)(inst.pk)] == ["PENDING", "LOADING", "ERROR"]
+    from serving.models import InstanceEvent
+
+    started = await sync_to_async(InstanceEvent.objects.get)(instance_id=inst.pk, to_state="LOADING")
+    port = int(started.message.rsplit(" ", 1)[1])
+    assert backend_pids("tiny-slow", port) == [], "the backend was stopped"
