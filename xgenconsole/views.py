@@ -13,6 +13,7 @@ from django.db import connection
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.utils import timezone
+from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_http_methods, require_POST
 
 from hardware.models import Node
@@ -155,6 +156,7 @@ def key_revoke(request: HttpRequest, key_id: int) -> HttpResponse:
     return redirect("keys")
 
 
+@csrf_exempt  # unknown API paths answer JSON 404 whatever the method, never Django's HTML 403
 @login_not_required
 def api_not_found(request: HttpRequest) -> JsonResponse:
     return json_error(404, f"No API route at {request.path}.", code="not_found")

@@ -118,3 +118,13 @@ def test_session_api_writes_need_csrf(admin):
         response = csrf_client.post(path, data={}, content_type="application/json")
         assert response.status_code in (401, 403), path
         assert "error" in response.json()
+
+
+@pytest.mark.django_db
+def test_unknown_api_paths_answer_json_for_session_posts_too(admin):
+    from django.test import Client
+
+    client = Client(enforce_csrf_checks=True)
+    client.force_login(admin.user)
+    response = client.post("/api/nope/1", data={}, content_type="application/json")
+    assert response.status_code == 404 and response.json()["error"]["code"] == "not_found"
