@@ -33,32 +33,32 @@ def timeline_html(instance_id: int, *, oob: bool) -> str:
 
 
 def state_changed(instance: ModelInstance, event: InstanceEvent | None = None) -> None:
-    """The row on the list page, the state block and (after a transition) the timeline of its page (sync)."""
-    if event is not None and not event.from_state:
-        publish_sync(LIST_GROUP, list_body_html(), key="instances-body")  # a new row: the list page gains it
-    else:
-        row = render_to_string("serving/partials/_instance_row.html", {"i": instance, "oob": True})
-        publish_sync(LIST_GROUP, row, key=f"inst-row-{instance.pk}")
-    publish_sync(LIST_GROUP, ready_count_html(oob=True), key="ready-count")
+    """The list page's card, the state block and (after a transition) the timeline of its page (sync)."""
+    # The whole list card, not rows: the consumer joins fragments into one message, and a <tr>
+    # beside a non-table element does not survive HTML parsing. Bursts coalesce by key.
+    publish_sync(LIST_GROUP, instances_card_html(oob=True), key="instances-card")
     state = render_to_string("serving/partials/_instance_state.html", {"inst": instance, "oob": True})
     publish_sync(instance_group(instance.pk), state, key=f"inst-state-{instance.pk}")
     if event is not None:
         publish_sync(instance_group(instance.pk), timeline_html(instance.pk, oob=True), key=f"timeline-{instance.pk}")
 
 
-def ready_count_html(*, oob: bool) -> str:
+def instances_context(*, can_operate: bool) -> dict:
+    """What the list card shows: the newest instances, the ready count, and the card's version."""
     from serving.models import ACTIVE_STATES, InstanceState
 
-    active = ModelInstance.objects.filter(state__in=ACTIVE_STATES)
-    ready, total = active.filter(state=InstanceState.READY).count(), active.count()
-    attr = ' hx-swap-oob="true"' if oob else ""
-    return f'<span class="muted" id="ready-count"{attr}>{ready} ready of {total} active</span>'
-
-
-def list_body_html() -> str:
     instances = list(ModelInstance.objects.select_related("node")[:200])
-    return render_to_string("serving/partials/_instances_body.html", {
-        "instances": instances, "oob": True, "can_operate": True, "list_version": max((i.live_version for i in instances), default=0)})
+    active = ModelInstance.objects.filter(state__in=ACTIVE_STATES)
+    return {
+        "instances": instances, "can_operate": can_operate,
+        "ready": active.filter(state=InstanceState.READY).count(), "total": active.count(),
+        "list_version": max((i.live_version for i in instances), default=0),
+    }
+
+
+def instances_card_html(*, oob: bool) -> str:
+    # Operator buttons are always rendered; the page hides them for viewers (CSS) and the server refuses.
+    return render_to_string("serving/partials/_instances_card.html", {**instances_context(can_operate=True), "oob": oob})
 
 
 def log_fragment(lines: list[str], offset: int) -> str:

@@ -13,9 +13,9 @@ from django.views.decorators.http import require_GET, require_http_methods, requ
 
 from hardware.models import GpuDevice, Node
 from hub.models import ModelArtifact
-from serving.events import timeline_events
+from serving.events import instances_context, timeline_events
 from serving.forms import ExtraArgsError, LoadForm, parse_extra_args
-from serving.models import ACTIVE_STATES, InstanceState, ModelInstance
+from serving.models import InstanceState, ModelInstance
 from serving.services import LoadRefused, gpu_rooms, plan_load, request_load, request_restart, request_unload
 from serving.supervisor import current_log, previous_log
 from xgenconsole.models import Role
@@ -30,15 +30,9 @@ def _can_operate(request: HttpRequest) -> bool:
 
 @require_GET
 def instances_page(request: HttpRequest) -> HttpResponse:
-    instances = list(ModelInstance.objects.select_related("node")[:200])
-    active = [i for i in instances if i.state in ACTIVE_STATES]
-    ctx = {
-        "instances": instances, "can_operate": _can_operate(request),
-        "ready": sum(1 for i in active if i.state == InstanceState.READY), "total": len(active),
-        "list_version": max((i.live_version for i in instances), default=0),
-    }
+    ctx = instances_context(can_operate=_can_operate(request))
     if request.htmx:  # the websocket (re)connected: catch up on what happened before it
-        return render(request, "serving/partials/_instances_body.html", {**ctx, "oob": True})
+        return render(request, "serving/partials/_instances_card.html", {**ctx, "oob": True})
     return render(request, "serving/instances.html", ctx)
 
 

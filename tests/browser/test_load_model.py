@@ -81,4 +81,15 @@ def test_load_watch_chat_unload(demo_console, page):
     page.click("#unload-btn")
     page.locator("[data-state=STOPPED]").wait_for(timeout=30_000)
     page.goto(f"{console.url}/instances/")
-    assert page.locator("tr", has_text="demo-chat").locator("[data-state=STOPPED]").count() == 1
+    listed = page.locator("tr", has_text="demo-chat")
+    assert listed.locator("[data-state=STOPPED]").count() == 1
+    # The list page is live too: Start brings the row to READY and the count along, without a reload.
+    page.locator("#live-indicator:not([hidden])").wait_for()
+    listed.get_by_role("button", name="Start").click()
+    page.locator("#action-msg").get_by_text("Restart of demo-chat requested").wait_for()
+    listed.locator("[data-state=READY]").wait_for(timeout=60_000)
+    page.locator("#ready-count").get_by_text("1 ready of 1 active").wait_for()
+    page.once("dialog", lambda dialog: dialog.accept())
+    listed.get_by_role("button", name="Unload").click()
+    listed.locator("[data-state=STOPPED]").wait_for(timeout=30_000)
+    page.locator("#ready-count").get_by_text("0 ready of 0 active").wait_for()

@@ -120,7 +120,8 @@ async def test_websockets_carry_state_rows_and_log_lines(node, viewer, tiny_gguf
     assert (await listing.connect())[0] and (await one.connect())[0]
     await sync_to_async(transition)(inst.pk, "CACHING", "copying from the store: 40%", event=False, progress_pct=40.0)
     row = await listing.receive_from(timeout=3)
-    assert f'id="inst-row-{inst.pk}"' in row and 'hx-swap-oob="true"' in row and "CACHING 40%" in row
+    assert row.startswith('<div id="instances-card"') and 'hx-swap-oob="true"' in row
+    assert f'id="inst-row-{inst.pk}"' in row and "CACHING 40%" in row and "1 active" in row
     state = await one.receive_from(timeout=3)
     assert f'id="inst-state-{inst.pk}"' in state and "copying from the store: 40%" in state
     await events.log_lines(inst.pk, ["<b>not html</b>", "second"])
