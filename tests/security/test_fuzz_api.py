@@ -19,6 +19,7 @@ EXAMPLES_PER_OPERATION = 30
 SCHEMA = schemathesis.openapi.from_dict(api.get_openapi_schema())
 OPERATIONS = {op.ok().label: op.ok() for op in SCHEMA.get_all_operations()}
 CASES_RUN: list[str] = []
+UPSTREAM_CODES = {"no_backend", "upstream_unreachable", "upstream_error"}
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +48,10 @@ def test_operation_never_answers_5xx_or_a_non_openai_error(label, console, admin
         response = case.call(base_url=console.url, headers={"Authorization": f"Bearer {admin_key}"},
                              cookies={}, timeout=30)
         CASES_RUN.append(label)
-        assert response.status_code < 500, (label, response.status_code, response.text[:500])
+        if response.status_code >= 500:
+            # The proxy's documented answers when no backend can serve (api.md), never a crash.
+            assert label.startswith("POST /api/inference"), (label, response.status_code, response.text[:500])
+            assert json.loads(response.text)["error"]["code"] in UPSTREAM_CODES, response.text[:300]
         if response.status_code >= 400:
             body = json.loads(response.text)
             assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "code"}, response.text[:300]

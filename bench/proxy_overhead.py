@@ -1,0 +1,335 @@
+#!/usr/bin/env python
+"""What the inference proxy costs: a backend called directly vs through the console, in one run.
+
+    python bench/proxy_overhead.py [--servers uvicorn,daphne] [--scale 1.0]
+
+On loopback: a minimal fast upstream (aiohttp, OpenAI-shaped JSON and a fast SSE stream) for the
+overhead figures, and a real llama-cpp-python server on the tiny model for time to first chunk.
+The console runs as a real `manage.py serve --server uvicorn|daphne` process. Prints, per
+server: added latency p50/p99 for small non-streaming requests at concurrency 1, 16 and 64,
+requests per second, time to first chunk, and throughput at 64 concurrent streams, each next to
+the direct baseline measured in the same run. Targets: added p50 <= 3 ms, TTFC <= +5 ms,
+throughput loss <= 10 % at 64 streams.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PYTHON = sys.executable
+
+ANSWER = json.dumps({
+    "id": "chatcmpl-bench", "object": "chat.completion", "created": 0, "model": "fast",
+    "choices": [{"index": 0, "message": {"role": "assistant", "content": "hello"}, "finish_reason": "stop"}],
+    "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6},
+}).encode()
+STREAM_CHUNKS = 100
+CHUNK = b"data: " + json.dumps({
+    "id": "chatcmpl-bench", "object": "chat.completion.chunk", "created": 0, "model": "fast",
+    "choices": [{"index": 0, "delta": {"content": "tok"}, "finish_reason": None}],
+}).encode() + b"\n\n"
+ROUNDS = 3
+SMALL = {"model": "fast", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+
+
+# ---------------------------------------------------------------- the fast upstream (own process)
+def run_upstream(port: int) -> None:
+    from aiohttp import web
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        body = json.loads(await request.read())
+        if not body.get("stream"):
+            return web.Response(body=ANSWER, content_type="application/json")
+        pace = body.get("pace_ms", 0) / 1000  # > 0: one chunk per pace, like a backend generating tokens
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for _ in range(STREAM_CHUNKS):
+            await response.write(CHUNK)
+            if pace:
+                await asyncio.sleep(pace)
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "fast", "object": "model"}]})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_get("/v1/models", models)
+    web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
+
+
+# ---------------------------------------------------------------- processes
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_http(url: str, proc: subprocess.Popen, timeout: float = 60) -> None:
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args[:4]} exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=2):
+                return
+        except urllib.error.HTTPError:
+            return
+        except OSError:
+            time.sleep(0.1)
+    raise TimeoutError(url)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+class ConsoleProcess:
+    """A real `manage.py serve` with its own data dir, a viewer key, and READY rows for the backends."""
+
+    def __init__(self, server: str, workdir: Path, backends: dict[str, int]) -> None:
+        self.port = free_port()
+        data = workdir / f"console-{server}"
+        self.env = {**os.environ, "DJANGO_SETTINGS_MODULE": "xgenconsole.settings", "XGEN_DATA_DIR": str(data),
+                    "XGEN_NODE_NAME": "bench-web", "XGEN_DEMO_MODEL": "false", "XGEN_ADMIN_PASSWORD": "bench-pass-123",
+                    "XGEN_NODE_STALE_AFTER": "3600", "XGEN_NODE_OFFLINE_AFTER": "7200", "XGEN_LOG_LEVEL": "WARNING"}
+        for cmd in (["migrate", "-v0"], ["ensureadmin"],
+                    ["createuser", "--username", "bench", "--role", "viewer", "--password", "bench-pass-123"]):
+            self.manage(*cmd)
+        self.key = self.manage("createapikey", "--username", "bench").split()[-1]
+        rows = json.dumps([{"name": n, "port": p} for n, p in backends.items()])
+        self.manage("shell", "-c", f"""
+import json
+from django.utils import timezone
+from hardware.models import Node
+from serving.models import ModelInstance
+node, _ = Node.objects.update_or_create(name="bench-node", defaults={{"address": "127.0.0.1", "last_heartbeat": timezone.now()}})
+for row in json.loads({rows!r}):
+    ModelInstance.objects.create(model_name=row["name"], model_path="/bench", backend="bench", node=node,
+                                 port=row["port"], state="READY", ready_at=timezone.now())
+""")
+        self.log = open(data / "serve.log", "wb")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [PYTHON, str(REPO / "manage.py"), "serve", "--host", "127.0.0.1", "--port", str(self.port),
+             "--server", server, "--no-agent"],
+            env=self.env, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT,
+        )
+        wait_http(f"{self.url}/healthz", self.proc)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def manage(self, *args: str) -> str:
+        return subprocess.run([PYTHON, str(REPO / "manage.py"), *args], env=self.env, cwd=REPO, check=True,
+                              capture_output=True, text=True, timeout=120).stdout
+
+    def stop(self) -> None:
+        stop(self.proc)
+        self.log.close()
+
+
+# ---------------------------------------------------------------- measurements
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def small_requests(session, url: str, headers: dict, n: int, concurrency: int) -> tuple[list[float], float]:
+    """Latencies (s) of n small non-streaming requests at `concurrency`, and the wall time."""
+    body = json.dumps(SMALL).encode()
+    latencies: list[float] = []
+    left = n
+
+    async def worker() -> None:
+        nonlocal left
+        while left > 0:
+            left -= 1
+            t0 = time.perf_counter()
+            async with session.post(url, data=body, headers=headers) as r:
+                await r.read()
+                assert r.status == 200, r.status
+            latencies.append(time.perf_counter() - t0)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return latencies, time.perf_counter() - start
+
+
+async def one_stream(session, url: str, headers: dict, body: bytes) -> tuple[float, float, int]:
+    """(time to first chunk, total time, bytes) of one streamed answer."""
+    t0 = time.perf_counter()
+    first = None
+    size = 0
+    async with session.post(url, data=body, headers=headers) as r:
+        assert r.status == 200, r.status
+        async for chunk in r.content.iter_any():
+            if first is None:
+                first = time.perf_counter() - t0
+            size += len(chunk)
+    return first, time.perf_counter() - t0, size
+
+
+async def streams(session, url: str, headers: dict, body: dict, n: int, concurrency: int
+                  ) -> tuple[list[float], float, int]:
+    """TTFCs (s) of n streams at `concurrency`, the wall time, and the bytes received."""
+    raw = json.dumps(body).encode()
+    ttfc: list[float] = []
+    total_bytes = 0
+    left = n
+
+    async def worker() -> None:
+        nonlocal left, total_bytes
+        while left > 0:
+            left -= 1
+            first, _, size = await one_stream(session, url, headers, raw)
+            ttfc.append(first)
+            total_bytes += size
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return ttfc, time.perf_counter() - start, total_bytes
+
+
+async def measure(server: str, console: ConsoleProcess, fast_port: int, llama_port: int, scale: float) -> list[str]:
+    import aiohttp
+
+    auth = {"Authorization": f"Bearer {console.key}", "Content-Type": "application/json"}
+    plain = {"Content-Type": "application/json"}
+    direct_url = f"http://127.0.0.1:{fast_port}/v1/chat/completions"
+    proxy_url = f"{console.url}/v1/chat/completions"
+    lines = []
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        await small_requests(session, direct_url, plain, 100, 4)  # warm both paths and pools
+        await small_requests(session, proxy_url, auth, 200, 8)
+        for concurrency, n in ((1, 400), (16, 2000), (64, 3000)):
+            n = max(concurrency * 4, int(n * scale)) // ROUNDS * ROUNDS
+            d_lat, p_lat, d_wall, p_wall = [], [], 0.0, 0.0
+            for _ in range(ROUNDS):  # interleaved, so drift on a shared machine hits both sides
+                lat, wall = await small_requests(session, direct_url, plain, n // ROUNDS, concurrency)
+                d_lat, d_wall = d_lat + lat, d_wall + wall
+                lat, wall = await small_requests(session, proxy_url, auth, n // ROUNDS, concurrency)
+                p_lat, p_wall = p_lat + lat, p_wall + wall
+            lines.append(
+                f"{server:8} small c={concurrency:<3} n={n:<5} direct p50 {1000 * pct(d_lat, .5):6.2f} ms "
+                f"p99 {1000 * pct(d_lat, .99):6.2f} ms {n / d_wall:6.0f} req/s | proxy p50 "
+                f"{1000 * pct(p_lat, .5):6.2f} ms p99 {1000 * pct(p_lat, .99):6.2f} ms {n / p_wall:6.0f} req/s | "
+                f"added p50 {1000 * (pct(p_lat, .5) - pct(d_lat, .5)):+6.2f} ms p99 "
+                f"{1000 * (pct(p_lat, .99) - pct(d_lat, .99)):+6.2f} ms"
+            )
+        stream_body = {**SMALL, "stream": True}
+        n = max(20, int(200 * scale))
+        d_ttfc, _, _ = await streams(session, direct_url, plain, stream_body, n, 1)
+        p_ttfc, _, _ = await streams(session, proxy_url, auth, stream_body, n, 1)
+        lines.append(
+            f"{server:8} TTFC fast upstream n={n}: direct p50 {1000 * pct(d_ttfc, .5):.2f} ms | proxy p50 "
+            f"{1000 * pct(p_ttfc, .5):.2f} ms | added {1000 * (pct(p_ttfc, .5) - pct(d_ttfc, .5)):+.2f} ms "
+            f"(p99 {1000 * (pct(p_ttfc, .99) - pct(d_ttfc, .99)):+.2f} ms)"
+        )
+        llama_body = {"model": "tiny", "prompt": "once upon a time", "max_tokens": 4, "stream": True}
+        n = max(6, int(20 * scale))
+        d_ttfc, p_ttfc = [], []
+        for _ in range(n):  # interleaved: the backend's own speed drifts
+            d_ttfc += (await streams(session, f"http://127.0.0.1:{llama_port}/v1/completions", plain,
+                                     llama_body, 1, 1))[0]
+            p_ttfc += (await streams(session, f"{console.url}/v1/completions", auth, llama_body, 1, 1))[0]
+        lines.append(
+            f"{server:8} TTFC llama-cpp-python n={n}: direct median {1000 * statistics.median(d_ttfc):.2f} ms | "
+            f"proxy median {1000 * statistics.median(p_ttfc):.2f} ms | added "
+            f"{1000 * (statistics.median(p_ttfc) - statistics.median(d_ttfc)):+.2f} ms"
+        )
+        n = max(64, int(64 * 2 * scale))
+        d_wall = p_wall = d_bytes = p_bytes = 0
+        for _ in range(ROUNDS):
+            _, wall, size = await streams(session, direct_url, plain, stream_body, n, 64)
+            d_wall, d_bytes = d_wall + wall, d_bytes + size
+            _, wall, size = await streams(session, proxy_url, auth, stream_body, n, 64)
+            p_wall, p_bytes = p_wall + wall, p_bytes + size
+        n *= ROUNDS
+        d_rate, p_rate = d_bytes / d_wall, p_bytes / p_wall
+        lines.append(
+            f"{server:8} 64 concurrent streams x{n} ({STREAM_CHUNKS} chunks each): direct {n / d_wall:.0f} streams/s "
+            f"{d_rate / 1e6:.2f} MB/s | proxy {n / p_wall:.0f} streams/s {p_rate / 1e6:.2f} MB/s | "
+            f"throughput loss {100 * (1 - p_rate / d_rate):.1f} % (unpaced: CPU-bound worst case)"
+        )
+        paced = {**stream_body, "pace_ms": 10}  # 100 tokens/s per stream, 6,400 chunks/s in all
+        n = max(64, int(64 * 2 * scale))
+        _, d_wall, d_bytes = await streams(session, direct_url, plain, paced, n, 64)
+        _, p_wall, p_bytes = await streams(session, proxy_url, auth, paced, n, 64)
+        d_rate, p_rate = d_bytes / d_wall, p_bytes / p_wall
+        lines.append(
+            f"{server:8} 64 concurrent streams x{n} at 100 tokens/s each: direct {d_bytes / d_wall / len(CHUNK):.0f} "
+            f"chunks/s | proxy {p_bytes / p_wall / len(CHUNK):.0f} chunks/s | throughput loss "
+            f"{100 * (1 - p_rate / d_rate):.1f} %"
+        )
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[1])
+    parser.add_argument("--servers", default="uvicorn,daphne")
+    parser.add_argument("--scale", type=float, default=1.0, help="multiply request counts")
+    parser.add_argument("--upstream", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.upstream:
+        run_upstream(args.upstream)
+        return
+    sys.path.insert(0, str(REPO))
+    procs: list[subprocess.Popen] = []
+    with tempfile.TemporaryDirectory(prefix="xgen-bench-") as tmp:
+        work = Path(tmp)
+        try:
+            fast_port = free_port()
+            upstream = subprocess.Popen([PYTHON, __file__, "--upstream", str(fast_port)])
+            procs.append(upstream)
+            os.environ.setdefault("DJANGO_SETTINGS_MODULE", "xgenconsole.settings")
+            os.environ["XGEN_DATA_DIR"] = str(work / "gguf")
+            from hub.demo import write_tiny_llama_gguf
+
+            model = write_tiny_llama_gguf(work / "tiny.gguf", seed=0)
+            llama_port = free_port()
+            llama = subprocess.Popen(
+                [PYTHON, "-m", "llama_cpp.server", "--model", str(model), "--host", "127.0.0.1", "--port",
+                 str(llama_port), "--model_alias", "tiny", "--n_ctx", "512", "--verbose", "false"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            )
+            procs.append(llama)
+            wait_http(f"http://127.0.0.1:{fast_port}/v1/models", upstream)
+            wait_http(f"http://127.0.0.1:{llama_port}/v1/models", llama)
+            print(f"proxy overhead on loopback, {os.cpu_count()} CPUs; every 'direct' is measured in this run")
+            for server in args.servers.split(","):
+                console = ConsoleProcess(server, work, {"fast": fast_port, "tiny": llama_port})
+                try:
+                    for line in asyncio.run(measure(server, console, fast_port, llama_port, args.scale)):
+                        print(line, flush=True)
+                finally:
+                    console.stop()
+        finally:
+            for proc in procs:
+                stop(proc)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,164 @@
+"""Which backends serve which model: an in-memory table the proxy reads on every request.
+
+The table is read from the database at most once per REFRESH_S (one query in a worker thread,
+shared by every request that finds it stale), so the hot path never touches the database.
+Replicas keep their in-flight counters across refreshes; the least busy one is chosen.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+
+from asgiref.sync import sync_to_async
+from django.db import close_old_connections
+
+log = logging.getLogger("xgen.proxy")
+
+REFRESH_S = 1.0
+# A replica that refused a connection is tried last for this long.
+DOWN_S = 2.0
+
+
+@dataclass(eq=False)
+class Backend:
+    """One READY instance the proxy can send requests to."""
+
+    instance_id: int
+    model_name: str
+    type: str  # "llm" | "embedding"
+    backend: str
+    node: str
+    base_url: str
+    created: int
+    in_flight: int = 0
+    down_until: float = 0.0
+
+    @property
+    def key(self) -> tuple[int, str]:
+        return (self.instance_id, self.base_url)
+
+    def mark_down(self) -> None:
+        self.down_until = time.monotonic() + DOWN_S
+
+
+@dataclass
+class RoutingSnapshot:
+    """One read of the database: READY backends by name and kind, and every name in use."""
+
+    by_name: dict[str, list[Backend]] = field(default_factory=dict)
+    by_type: dict[str, list[Backend]] = field(default_factory=dict)
+    known_names: frozenset[str] = frozenset()
+
+    @property
+    def backends(self) -> list[Backend]:
+        return [b for group in self.by_name.values() for b in group]
+
+
+def _read_rows() -> tuple[list[dict], set[str]]:
+    """The READY instances on fresh nodes, and the names of all active instances."""
+    from hardware.models import Node
+    from serving.models import ACTIVE_STATES, InstanceState, ModelInstance
+
+    close_old_connections()
+    try:
+        fresh = Node.fresh()
+        rows = list(
+            ModelInstance.objects.filter(state=InstanceState.READY, node__in=fresh, port__isnull=False)
+            .order_by("pk")
+            .values("pk", "model_name", "type", "backend", "port", "node__name", "node__address",
+                    "ready_at", "created_at")
+        )
+        names = set(
+            ModelInstance.objects.filter(state__in=ACTIVE_STATES).values_list("model_name", flat=True).distinct()
+        )
+    finally:
+        close_old_connections()
+    return rows, names
+
+
+class RoutingTable:
+    """READY backends, refreshed from the database at most every REFRESH_S (single-flight)."""
+
+    def __init__(self) -> None:
+        self._snapshot: RoutingSnapshot | None = None
+        self._loaded_at = 0.0
+        self._refresh: asyncio.Task | None = None
+        self._backends: dict[tuple[int, str], Backend] = {}
+        self._turn = itertools.count()
+
+    def invalidate(self) -> None:
+        """Make the next request re-read the database."""
+        self._loaded_at = 0.0
+
+    async def snapshot(self) -> RoutingSnapshot:
+        """The current table; re-read first when older than REFRESH_S."""
+        if self._snapshot is not None and time.monotonic() - self._loaded_at < REFRESH_S:
+            return self._snapshot
+        task = self._refresh
+        loop = asyncio.get_running_loop()
+        if task is None or task.done() or task.get_loop() is not loop:
+            task = self._refresh = loop.create_task(self._load())
+        try:
+            # shield: one caller's cancellation (a client gone) must not cancel the shared read.
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("routing table refresh failed; keeping the previous table")
+            self._loaded_at = time.monotonic()
+            if self._snapshot is None:
+                self._snapshot = RoutingSnapshot()
+            return self._snapshot
+
+    async def _load(self) -> RoutingSnapshot:
+        rows, names = await sync_to_async(_read_rows, thread_sensitive=False)()
+        snap = RoutingSnapshot(known_names=frozenset(names))
+        kept: dict[tuple[int, str], Backend] = {}
+        for row in rows:
+            base = f"http://{row['node__address']}:{row['port']}"
+            key = (row["pk"], base)
+            backend = self._backends.get(key)
+            if backend is None:
+                stamp = row["ready_at"] or row["created_at"]
+                backend = Backend(
+                    instance_id=row["pk"], model_name=row["model_name"], type=row["type"],
+                    backend=row["backend"], node=row["node__name"], base_url=base,
+                    created=int(stamp.timestamp()) if stamp else 0,
+                )
+            kept[key] = backend
+            snap.by_name.setdefault(backend.model_name, []).append(backend)
+            snap.by_type.setdefault(backend.type, []).append(backend)
+        self._backends = kept
+        self._snapshot = snap
+        self._loaded_at = time.monotonic()
+        return snap
+
+    def backends(self) -> list[Backend]:
+        """Every backend of the current table."""
+        return list(self._backends.values())
+
+    def in_flight_by_instance(self) -> dict[int, int]:
+        """Requests in flight per instance id, in this process."""
+        counts: dict[int, int] = {}
+        for backend in list(self._backends.values()):
+            counts[backend.instance_id] = counts.get(backend.instance_id, 0) + backend.in_flight
+        return counts
+
+    def order(self, candidates: list[Backend]) -> list[Backend]:
+        """Candidates in the order to try: up before down, then fewest in flight.
+
+        Ties rotate, so idle replicas share sequential traffic instead of the first taking all.
+        """
+        n = len(candidates)
+        if n == 1:
+            return [candidates[0]]  # a new list: callers consume it
+        start = next(self._turn) % n
+        rotated = candidates[start:] + candidates[:start]
+        now = time.monotonic()
+        return sorted(rotated, key=lambda b: (b.down_until > now, b.in_flight))
+
+
+routing_table = RoutingTable()

@@ -1,0 +1,240 @@
+"""Fixtures for the proxy tests: a real console process, real llama.cpp backends, and READY rows.
+
+The rows are written into the console's own database with `manage.py shell` (setting state,
+as the node agent would), on a node of their own so the console's agent never manages them.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import Console, LlamaServer, start_console
+from tests.procs import PYTHON, free_port, stop_process, wait_http
+
+BACKEND_NODE = "gpu-b"
+PROXY_MAX_BODY = 65536
+
+
+@dataclass
+class ProxyConsole:
+    console: Console
+    key: str
+
+    @property
+    def url(self) -> str:
+        return self.console.url
+
+    @property
+    def auth(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.key}"}
+
+    def set_instances(self, rows: list[dict], *, node_fresh: bool = True) -> list[int]:
+        """Replace every instance on the backend node with `rows` ({name, port, type?, state?}); their ids."""
+        code = f"""
+import json
+from datetime import timedelta
+from django.utils import timezone
+from hardware.models import Node
+from serving.models import ModelInstance
+rows = json.loads({json.dumps(json.dumps(rows))})
+beat = timezone.now() if {node_fresh} else timezone.now() - timedelta(days=1)
+node, _ = Node.objects.update_or_create(name={BACKEND_NODE!r}, defaults={{"address": "127.0.0.1", "last_heartbeat": beat}})
+ModelInstance.objects.filter(node=node).delete()
+ids = []
+for row in rows:
+    inst = ModelInstance.objects.create(
+        model_name=row["name"], model_path="/models/tiny.gguf", type=row.get("type", "llm"),
+        backend="llama-cpp-python", node=node, port=row["port"], state=row.get("state", "READY"),
+        ready_at=timezone.now())
+    ids.append(inst.pk)
+print(json.dumps(ids))
+"""
+        out = self.console.manage("shell", "-c", code)
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    def wait_models(self, expected: set[str], *, timeout: float = 10.0) -> dict:
+        """Poll /v1/models until it lists exactly `expected` (READY changes show within ~1 s)."""
+        import time
+
+        deadline = time.monotonic() + timeout
+        while True:
+            listing = httpx.get(f"{self.url}/v1/models", headers=self.auth).json()
+            if {m["id"] for m in listing["data"]} == expected or time.monotonic() > deadline:
+                return listing
+            time.sleep(0.1)
+
+
+def _start_console(tmp_path_factory, server: str) -> Iterator[ProxyConsole]:
+    console = start_console(
+        tmp_path_factory.mktemp(f"proxy-console-{server}"), server=server,
+        # The backend node's heartbeat is written once by the test; keep it fresh for the module.
+        extra_env={"XGEN_NODE_STALE_AFTER": "3600", "XGEN_NODE_OFFLINE_AFTER": "7200",
+                   "XGEN_PROXY_MAX_BODY": str(PROXY_MAX_BODY)},
+    )
+    try:
+        console.manage("createuser", "--username", "vera", "--role", "viewer", "--password", "vera-pass-123")
+        key = console.manage("createapikey", "--username", "vera").stdout.strip().splitlines()[-1]
+        yield ProxyConsole(console=console, key=key)
+    finally:
+        code = stop_process(console.proc, timeout=30)
+    assert code == 0, f"console exited with {code}:\n{console.log[-3000:]}"
+    assert "proxy failed" not in console.log, console.log[-5000:]  # never an unexpected error in the proxy
+    assert "Unclosed" not in console.log, console.log[-5000:]  # the pooled client is closed at shutdown
+
+
+@pytest.fixture(scope="module")
+def proxy_console(tmp_path_factory) -> Iterator[ProxyConsole]:
+    """A real `manage.py serve` (daphne) with a viewer's API key."""
+    yield from _start_console(tmp_path_factory, "daphne")
+
+
+@pytest.fixture(scope="module")
+def proxy_console_uvicorn(tmp_path_factory) -> Iterator[ProxyConsole]:
+    """A real `manage.py serve --server uvicorn` with a viewer's API key."""
+    yield from _start_console(tmp_path_factory, "uvicorn")
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf_b(tmp_path_factory) -> Path:
+    """A second tiny model with other weights: its greedy output differs from tiny_gguf's."""
+    from hub.demo import write_tiny_llama_gguf
+
+    return write_tiny_llama_gguf(tmp_path_factory.mktemp("models-b") / "tiny-llama-b.gguf", seed=1)
+
+
+class BackendPool:
+    """Real llama-cpp-python servers for a module; `log(server)` is its access log."""
+
+    def __init__(self, tiny_gguf: Path, log_dir: Path) -> None:
+        self.tiny_gguf = tiny_gguf
+        self.log_dir = log_dir
+        self.servers: list[LlamaServer] = []
+
+    def start(self, alias: str, *, embedding: bool = False, model: Path | None = None,
+              port: int | None = None, n_ctx: int = 512) -> LlamaServer:
+        port = port or free_port()
+        cmd = [PYTHON, "-m", "llama_cpp.server", "--model", str(model or self.tiny_gguf), "--host", "127.0.0.1",
+               "--port", str(port), "--model_alias", alias, "--n_ctx", str(n_ctx), "--verbose", "false"]
+        if embedding:
+            cmd += ["--embedding", "true"]
+        with open(self.log_dir / f"llama-{port}.log", "ab") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        server = LlamaServer(proc=proc, port=port, alias=alias)
+        self.servers.append(server)
+        wait_http(f"{server.base_url}/v1/models", timeout=60, proc=proc)
+        return server
+
+    def log(self, server: LlamaServer) -> str:
+        return (self.log_dir / f"llama-{server.port}.log").read_text(errors="replace")
+
+    def stop_all(self) -> None:
+        for server in self.servers:
+            stop_process(server.proc)
+
+
+@pytest.fixture(scope="module")
+def backends(tiny_gguf, tmp_path_factory) -> Iterator[BackendPool]:
+    pool = BackendPool(tiny_gguf, tmp_path_factory.mktemp("llama-logs"))
+    yield pool
+    pool.stop_all()
+
+
+@pytest.fixture
+def sse_lines() -> Callable[[httpx.Response], Iterator[str]]:
+    def lines(response: httpx.Response) -> Iterator[str]:
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                yield line[len("data: "):]
+
+    return lines
+
+
+# ---------------------------------------------------------------- an echo backend
+class EchoBackend:
+    """A tiny OpenAI-shaped HTTP server (aiohttp, in a thread) that reports what it received.
+
+    POST /v1/chat/completions answers JSON with the request's headers and a fixed usage;
+    with "stream": true an SSE stream whose last chunk carries usage. POST /v1/completions
+    drops the connection without answering; POST /v1/embeddings breaks off halfway through its JSON.
+    """
+
+    def __init__(self) -> None:
+        import asyncio
+        import threading
+
+        self.port = free_port()
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        assert self._ready.wait(10)
+
+    def _run(self) -> None:
+        import asyncio
+
+        from aiohttp import web
+
+        async def chat(request: web.Request) -> web.StreamResponse:
+            body = await request.json()
+            seen = {k.lower(): v for k, v in request.headers.items()}
+            usage = {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
+            if body.get("stream"):
+                response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+                await response.prepare(request)
+                for i in range(3):
+                    chunk = {"object": "chat.completion.chunk", "choices": [{"delta": {"content": str(i)}}],
+                             "usage": None}
+                    await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+                final = {"object": "chat.completion.chunk", "choices": [], "usage": usage}
+                await response.write(b"data: " + json.dumps(final).encode() + b"\n\ndata: [DONE]\n\n")
+                await response.write_eof()
+                return response
+            return web.json_response(
+                {"object": "chat.completion", "headers": seen, "body": body, "usage": usage},
+                headers={"X-Backend": "echo", "Set-Cookie": "backend=1"},
+            )
+
+        async def drop(request: web.Request) -> web.Response:
+            request.transport.close()  # gone before a single byte of an answer
+            return web.Response()
+
+        async def cut(request: web.Request) -> web.StreamResponse:
+            response = web.StreamResponse(headers={"Content-Type": "application/json"})
+            await response.prepare(request)
+            await response.write(b'{"object": "list", "data": [{"embedding": [0.1, ')
+            await asyncio.sleep(0.05)
+            request.transport.close()  # dies halfway through the JSON
+            return response
+
+        async def main() -> None:
+            app = web.Application()
+            app.router.add_post("/v1/embeddings", cut)
+            app.router.add_post("/v1/chat/completions", chat)
+            app.router.add_post("/v1/completions", drop)
+            self._runner = web.AppRunner(app, access_log=None)
+            await self._runner.setup()
+            await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
+            self._ready.set()
+
+        asyncio.set_event_loop(self._loop)
+        self._loop.run_until_complete(main())
+        self._loop.run_forever()
+        self._loop.run_until_complete(self._runner.cleanup())
+        self._loop.close()
+
+    def stop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def echo_backend() -> Iterator[EchoBackend]:
+    echo = EchoBackend()
+    yield echo
+    echo.stop()
