@@ -70,9 +70,11 @@ def test_agent_killed_then_restarted_adopts_the_backend(tmp_path, tiny_gguf):
         after = _wait(url, key, lambda b: b["state"] == "READY" and "adopted" in b["state_message"], timeout=30)
         assert after["pid"] == pid and after["port"] == port and after["restarts"] == 0
         assert backend_pids("tiny-adopt", port) == [pid], "exactly one backend process for the instance"
-        chat = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=30,
+        # Clients reach the adopted backend through the console's inference proxy, by served name.
+        chat = httpx.post(f"{second.url}/v1/chat/completions", headers={"Authorization": f"Bearer {key}"}, timeout=30,
                           json={"model": "tiny-adopt", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
-        assert chat.status_code == 200
+        assert chat.status_code == 200, chat.text
+        assert chat.json()["choices"][0]["message"]["role"] == "assistant"
         # The adopted backend is still supervised: an unload stops it although it is not our child.
         r = httpx.post(f"{second.url}/api/management/unload", headers={"Authorization": f"Bearer {key}"},
                        json={"id": inst["id"]}, timeout=10)
