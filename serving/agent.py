@@ -49,10 +49,13 @@ class AgentWorker:
 
 
 def default_workers() -> list[AgentWorker]:
-    """The explicit registry of what a node agent does, in start order."""
+    """The explicit registry of what a node agent does, in start order (one line per worker)."""
+    from serving.supervisor import Supervisor  # imports this module: loaded on demand
+
     workers: list[AgentWorker] = []
     workers.append(InventoryWorker())  # hardware: GPUs, CPU/RAM and backends; refreshed live
     workers.append(HubWorker())  # hub: store index, demo model, Hugging Face download jobs
+    workers.append(Supervisor())  # serving: backend processes of this node's instances
     return workers
 
 
@@ -163,7 +166,9 @@ class NodeAgent:
 
     def _heartbeat(self) -> None:
         close_old_connections()
-        record_heartbeat(name=self.name)
+        # Workers that own backend processes expose them as `runs` (the supervisor).
+        running = sum(len(getattr(w, "runs", {})) for w in self.workers)
+        record_heartbeat(name=self.name, instances_running=running)
 
     async def _nudge_listener(self) -> None:
         """Web processes `group_send` to node.<name>; any message wakes the reconcile loop."""

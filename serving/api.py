@@ -1,3 +1,86 @@
-from ninja import Router
+"""The management API: load, unload, restart, and read instances (mounted at /api/management)."""
+from __future__ import annotations
+
+from django.http import HttpRequest
+from ninja import Router, Status
+
+from serving.models import ModelInstance
+from serving.schemas import InstanceOut, InstanceRef, LoadIn, LoadOut
+from serving.services import LoadRefused, find_instance, request_load, request_restart, request_unload
+from xgenconsole.auth import api_auth, operator_auth, require_role
+from xgenconsole.errors import ApiError
 
 management_router = Router()
+
+
+def instance_out(inst: ModelInstance) -> dict:
+    return {
+        "id": inst.pk, "model_name": inst.model_name, "model_path": inst.model_path, "type": inst.type,
+        "state": inst.state, "state_message": inst.state_message, "progress_pct": inst.progress_pct,
+        "desired_state": inst.desired_state, "backend": inst.backend, "backend_reason": inst.backend_reason,
+        "node": inst.node.name, "gpus": list(inst.gpus or []), "port": inst.port, "pid": inst.pid,
+        "restarts": inst.restarts, "error": inst.last_error, "exit_code": inst.exit_code,
+        "extra_args": inst.extra_args or {}, "ready_at": inst.ready_at, "created_at": inst.created_at,
+        "log_tail": list(inst.log_tail or []),
+    }
+
+
+def _refused(exc: LoadRefused) -> ApiError:
+    return ApiError(exc.status, exc.message, code=exc.code)
+
+
+def _ref(body: InstanceRef) -> ModelInstance:
+    if body.id is None and not body.model_name:
+        raise ApiError(400, "Give the instance's id or its model_name.", code="invalid_request")
+    try:
+        return find_instance(id=body.id, model_name=body.model_name)
+    except LoadRefused as exc:
+        raise _refused(exc) from None
+
+
+@management_router.post("/load", response={202: LoadOut}, auth=operator_auth, summary="Load a model on a node")
+def load(request: HttpRequest, body: LoadIn):
+    user = require_role(request, "operator")
+    try:
+        inst = request_load(
+            model_path=body.model_path, model_name=body.model_name, server_type=body.server_type,
+            backend=body.backend, node=body.node, gpus=body.gpus, tensor_parallel_size=body.tensor_parallel_size,
+            extra_args=body.extra_args, autostart=body.autostart, user=user,
+        )
+    except LoadRefused as exc:
+        raise _refused(exc) from None
+    return Status(202, {"id": inst.pk, "model_name": inst.model_name, "state": inst.state, "backend": inst.backend,
+                 "backend_reason": inst.backend_reason, "node": inst.node.name, "gpus": list(inst.gpus)})
+
+
+@management_router.post("/unload", response={202: InstanceOut}, auth=operator_auth, summary="Unload an instance")
+def unload(request: HttpRequest, body: InstanceRef):
+    require_role(request, "operator")
+    inst = request_unload(instance=_ref(body))
+    return Status(202, instance_out(inst))
+
+
+@management_router.post("/restart", response={202: InstanceOut}, auth=operator_auth, summary="Restart an instance")
+def restart(request: HttpRequest, body: InstanceRef):
+    require_role(request, "operator")
+    try:
+        inst = request_restart(instance=_ref(body))
+    except LoadRefused as exc:
+        raise _refused(exc) from None
+    return Status(202, instance_out(inst))
+
+
+@management_router.get("/instances", response=list[InstanceOut], auth=api_auth, summary="List instances")
+def instances(request: HttpRequest, state: str | None = None):
+    qs = ModelInstance.objects.select_related("node")
+    if state:
+        qs = qs.filter(state=state.upper())
+    return [instance_out(i) for i in qs[:500]]
+
+
+@management_router.get("/instances/{instance_id}", response=InstanceOut, auth=api_auth, summary="One instance")
+def instance(request: HttpRequest, instance_id: int):
+    try:
+        return instance_out(find_instance(id=instance_id))
+    except LoadRefused as exc:
+        raise _refused(exc) from None

@@ -58,6 +58,7 @@ class ModelInstance(models.Model):
     pgid = models.IntegerField(null=True, blank=True)
     exit_code = models.IntegerField(null=True, blank=True)
     restarts = models.IntegerField(default=0)
+    restart_requested = models.BooleanField(default=False, help_text="an operator asked for a restart")
     last_error = models.TextField(blank=True)
     log_tail = models.JSONField(default=list, blank=True)
     estimated_memory_mib = models.BigIntegerField(null=True, blank=True)
@@ -78,6 +79,11 @@ class ModelInstance(models.Model):
     @property
     def is_active(self) -> bool:
         return self.state in ACTIVE_STATES
+
+    @property
+    def live_version(self) -> int:
+        """Orders live fragments of this instance: a newer row state has a larger number."""
+        return int(self.updated_at.timestamp() * 1_000_000)
 
     @property
     def upstream_base(self) -> str:

@@ -1,3 +1,8 @@
-from django.urls import path  # noqa: F401
+from django.urls import path
 
-websocket_urlpatterns: list = []
+from serving.consumers import InstanceConsumer, InstancesConsumer
+
+websocket_urlpatterns = [
+    path("ws/instances/", InstancesConsumer.as_asgi()),
+    path("ws/instances/<int:pk>/", InstanceConsumer.as_asgi()),
+]

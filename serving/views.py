@@ -1,13 +1,222 @@
-from django.http import HttpRequest, HttpResponse
-from django.shortcuts import get_object_or_404, render
+"""Instance pages: the list, the Load dialog (with its live verdict), one instance with its log,
+timeline and playground, and the operator actions."""
+from __future__ import annotations
 
-from serving.models import ModelInstance
+import json
+import shlex
+
+import httpx
+from django.contrib import messages
+from django.http import FileResponse, Http404, HttpRequest, HttpResponse
+from django.shortcuts import get_object_or_404, redirect, render
+from django.views.decorators.http import require_GET, require_http_methods, require_POST
+
+from hardware.models import GpuDevice, Node
+from hub.models import ModelArtifact
+from serving.events import instances_context, timeline_events
+from serving.forms import ExtraArgsError, LoadForm, parse_extra_args
+from serving.models import InstanceState, ModelInstance
+from serving.services import LoadRefused, gpu_rooms, plan_load, request_load, request_restart, request_unload
+from serving.supervisor import current_log, previous_log
+from xgenconsole.models import Role
+from xgenconsole.views import role_required
+
+PLAYGROUND_TIMEOUT_S = 60
 
 
+def _can_operate(request: HttpRequest) -> bool:
+    return request.user.has_role(Role.OPERATOR)
+
+
+@require_GET
 def instances_page(request: HttpRequest) -> HttpResponse:
-    return render(request, "serving/instances.html", {"instances": ModelInstance.objects.select_related("node")[:200]})
+    ctx = instances_context(can_operate=_can_operate(request))
+    if request.htmx:  # the websocket (re)connected: catch up on what happened before it
+        return render(request, "serving/partials/_instances_card.html", {**ctx, "oob": True})
+    return render(request, "serving/instances.html", ctx)
 
 
+def _node_choices() -> list[Node]:
+    return list(Node.objects.prefetch_related("gpus").order_by("name"))
+
+
+def _gpu_choices(node_name: str | None) -> list[tuple[int, str]]:
+    """(index, label with free memory) for the GPUs of a node."""
+    node = Node.objects.filter(name=node_name).first() if node_name else Node.fresh().first()
+    if node is None:
+        return []
+    rooms = {r.index: r for r in gpu_rooms(node)}
+    out = []
+    for g in GpuDevice.objects.filter(node=node).order_by("index"):
+        room = rooms.get(g.index)
+        free = room.free_mib if room else g.memory_free_mib
+        out.append((g.index, f"GPU {g.index} · {g.name} · {free / 1024:.1f} of {g.memory_total_mib / 1024:.1f} GiB free"))
+    return out
+
+
+def _plan_kwargs(data) -> dict:
+    """Arguments for plan_load from the form's raw data (the verdict runs on partial input)."""
+    extra = parse_extra_args(data.get("extra_args", ""))
+    tp_raw = (data.get("tensor_parallel_size") or "").strip()
+    gpus = [int(g) for g in data.getlist("gpus") if str(g).isdigit()]
+    return {
+        "model_path": data.get("model_path", ""), "model_name": data.get("model_name") or None,
+        "server_type": data.get("server_type") or "llm", "backend": data.get("backend") or "auto",
+        "node": data.get("node") or None, "gpus": gpus or None,
+        "tensor_parallel_size": int(tp_raw) if tp_raw.isdigit() else None, "extra_args": extra,
+    }
+
+
+@role_required(Role.OPERATOR)
+@require_GET
+def load_verdict(request: HttpRequest) -> HttpResponse:
+    """The Load dialog's verdict: backend and why, where it fits, and the command line."""
+    ctx: dict = {}
+    try:
+        plan = plan_load(**_plan_kwargs(request.GET))
+        ctx["plan"] = plan
+        ctx["command"] = shlex.join(plan.command)
+    except ExtraArgsError as exc:
+        ctx["error"] = f"Extra arguments: {exc}"
+    except LoadRefused as exc:
+        ctx["error"] = exc.message
+    ctx["gpu_choices"] = _gpu_choices(request.GET.get("node"))
+    ctx["selected_gpus"] = {int(g) for g in request.GET.getlist("gpus") if str(g).isdigit()}
+    return render(request, "serving/partials/_load_verdict.html", ctx)
+
+
+@role_required(Role.OPERATOR)
+@require_http_methods(["GET", "POST"])
+def load_page(request: HttpRequest) -> HttpResponse:
+    nodes = _node_choices()
+    node_name = request.POST.get("node") or request.GET.get("node") or (nodes[0].name if nodes else None)
+    gpu_choices = _gpu_choices(node_name)
+    error = None
+    if request.method == "POST":
+        form = LoadForm(request.POST, gpu_choices=gpu_choices)
+        if form.is_valid():
+            d = form.cleaned_data
+            try:
+                inst = request_load(
+                    model_path=d["model_path"], model_name=d["model_name"] or None, server_type=d["server_type"],
+                    backend=d["backend"], node=d["node"] or None, gpus=d["gpus"] or None,
+                    tensor_parallel_size=d["tensor_parallel_size"], extra_args=d["extra_args"],
+                    autostart=d["autostart"], user=request.user,
+                )
+            except LoadRefused as exc:
+                error = exc.message
+            else:
+                messages.success(request, f"Loading {inst.model_name} on {inst.node.name}.")
+                return redirect("instance-detail", pk=inst.pk)
+    else:
+        form = LoadForm(initial={"model_path": request.GET.get("model_path", ""), "node": node_name},
+                        gpu_choices=gpu_choices)
+    ctx = {"form": form, "nodes": nodes, "node_name": node_name, "error": error,
+           "can_operate": _can_operate(request),
+           "artifacts": ModelArtifact.objects.filter(complete=True).values_list("prefix", flat=True)[:500]}
+    status = 400 if error or (request.method == "POST" and not form.is_valid()) else 200
+    return render(request, "serving/load.html", ctx, status=status)
+
+
+@require_GET
 def instance_detail(request: HttpRequest, pk: int) -> HttpResponse:
     inst = get_object_or_404(ModelInstance.objects.select_related("node"), pk=pk)
-    return render(request, "serving/instance_detail.html", {"inst": inst})
+    log_path = current_log(inst.pk)
+    offset, lines = _last_lines(log_path, 500) if log_path.exists() else (0, list(inst.log_tail or []))
+    evs = timeline_events(inst.pk)
+    base = request.build_absolute_uri("/v1")
+    ctx = {
+        "inst": inst, "events": evs, "version": evs[-1].pk if evs else 0, "log_lines": lines, "log_offset": offset,
+        "can_operate": _can_operate(request),
+        "has_previous": previous_log(inst.pk).exists(), "api_base": base,
+    }
+    if request.htmx:  # the websocket (re)connected: catch up on what happened before it
+        return render(request, "serving/partials/_instance_live.html", ctx)
+    return render(request, "serving/instance_detail.html", ctx)
+
+
+def _last_lines(path, n: int) -> tuple[int, list[str]]:
+    """(offset after the last complete line, the last n complete lines) of a log file."""
+    with open(path, "rb") as fh:
+        fh.seek(0, 2)
+        size = fh.tell()
+        start = max(0, size - 256 * 1024)
+        fh.seek(start)
+        data = fh.read()
+    complete = data[: data.rfind(b"\n") + 1]
+    return start + len(complete), complete.decode(errors="replace").splitlines()[-n:]
+
+
+@require_GET
+def instance_log(request: HttpRequest, pk: int) -> FileResponse:
+    inst = get_object_or_404(ModelInstance, pk=pk)
+    which = request.GET.get("run", "current")
+    if which not in ("current", "previous"):
+        raise Http404("run is current or previous")
+    path = current_log(inst.pk) if which == "current" else previous_log(inst.pk)
+    if not path.exists():
+        raise Http404("no log for this run")
+    name = f"{inst.model_name.replace('/', '_')}-{inst.pk}-{which}.log"
+    return FileResponse(open(path, "rb"), as_attachment=True, filename=name, content_type="text/plain")  # noqa: SIM115
+
+
+@role_required(Role.OPERATOR)
+@require_POST
+def instance_unload(request: HttpRequest, pk: int) -> HttpResponse:
+    return _instance_action(request, pk, "unload")
+
+
+@role_required(Role.OPERATOR)
+@require_POST
+def instance_restart(request: HttpRequest, pk: int) -> HttpResponse:
+    return _instance_action(request, pk, "restart")
+
+
+def _instance_action(request: HttpRequest, pk: int, action: str) -> HttpResponse:
+    inst = get_object_or_404(ModelInstance.objects.select_related("node"), pk=pk)
+    try:
+        if action == "unload":
+            request_unload(instance=inst)
+            text, kind = f"Unload of {inst.model_name} requested.", "success"
+        elif action == "restart":
+            request_restart(instance=inst)
+            text, kind = f"Restart of {inst.model_name} requested.", "success"
+        else:
+            raise Http404("unknown action")
+    except LoadRefused as exc:
+        text, kind = exc.message, "error"
+    if request.htmx:
+        return render(request, "serving/partials/_action_msg.html", {"text": text, "kind": kind})
+    getattr(messages, kind)(request, text)
+    return redirect("instance-detail", pk=pk)
+
+
+@require_POST
+def playground(request: HttpRequest, pk: int) -> HttpResponse:
+    """Send one chat message (LLM) or one text to embed to the instance's backend, server-side."""
+    inst = get_object_or_404(ModelInstance.objects.select_related("node"), pk=pk)
+    text = (request.POST.get("prompt") or "").strip()
+    ctx: dict = {"inst": inst, "prompt": text}
+    if not text or len(text) > 8000:
+        ctx["error"] = "Type a message (at most 8000 characters)."
+    elif inst.state != InstanceState.READY:
+        ctx["error"] = f"{inst.model_name} is {inst.state}, not READY."
+    else:
+        try:
+            if inst.type == "embedding":
+                r = httpx.post(f"{inst.upstream_base}/v1/embeddings", json={"model": inst.model_name, "input": text},
+                               timeout=PLAYGROUND_TIMEOUT_S, trust_env=False)
+                r.raise_for_status()
+                vec = r.json()["data"][0]["embedding"]
+                ctx["embedding"] = {"dims": len(vec), "head": ", ".join(f"{v:.4f}" for v in vec[:8])}
+            else:
+                body = {"model": inst.model_name, "messages": [{"role": "user", "content": text}], "max_tokens": 64}
+                r = httpx.post(f"{inst.upstream_base}/v1/chat/completions", json=body, timeout=PLAYGROUND_TIMEOUT_S,
+                               trust_env=False)
+                r.raise_for_status()
+                data = r.json()
+                ctx["reply"] = data["choices"][0]["message"]["content"]
+                ctx["usage"] = data.get("usage") or {}
+        except (httpx.HTTPError, KeyError, IndexError, ValueError, json.JSONDecodeError) as exc:
+            ctx["error"] = f"The backend did not answer: {exc.__class__.__name__}: {str(exc)[:200]}"
+    return render(request, "serving/partials/_playground_reply.html", ctx)

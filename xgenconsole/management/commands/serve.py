@@ -113,3 +113,12 @@ class Command(BaseCommand):
         ).run()
         # SIGTERM arrives as reactor.stop(); keep the default handler for a second signal.
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        # Daphne does not wait for application instances at shutdown: a websocket still open
+        # leaves its consumer's tasks pending, and collecting those at interpreter exit crashed
+        # CPython 3.11 (SIGSEGV in GC of a pending Queue.get). Unwind them like asyncio.run().
+        loop = asyncio.get_event_loop()
+        leftover = [task for task in asyncio.all_tasks(loop) if not task.done()]
+        for task in leftover:
+            task.cancel()
+        if leftover and not loop.is_closed():
+            loop.run_until_complete(asyncio.gather(*leftover, return_exceptions=True))

@@ -1,0 +1,71 @@
+"""llama.cpp's `llama-server` (CUDA, ROCm, Vulkan and CPU builds) for GGUF files."""
+from __future__ import annotations
+
+from django.conf import settings
+
+from serving.adapters.base import BOOL, FLOAT, INT, STR, BackendAdapter, LaunchSpec, parse_version
+
+# From build b6325 (2025-08) `--flash-attn` takes on|off|auto; before it was a bare switch.
+FLASH_ATTN_VALUE_SINCE = (6325,)
+
+COMMON_FLAGS = {
+    "--ctx-size": INT,
+    "--threads": INT,
+    "--threads-batch": INT,
+    "--batch-size": INT,
+    "--ubatch-size": INT,
+    "--parallel": INT,
+    "--n-predict": INT,
+    "--cont-batching": BOOL,
+    "--no-cont-batching": BOOL,
+    "--mlock": BOOL,
+    "--no-mmap": BOOL,
+    "--cache-type-k": STR,
+    "--cache-type-v": STR,
+    "--rope-freq-base": FLOAT,
+    "--rope-freq-scale": FLOAT,
+    "--seed": INT,
+    "--chat-template": STR,
+    "--jinja": BOOL,
+    "--split-mode": "choice:none|layer|row",
+    "--tensor-split": STR,
+    "--main-gpu": INT,
+    "--timeout": INT,
+    "--metrics": BOOL,
+    "--n-gpu-layers": INT,
+}
+
+
+class LlamaServer(BackendAdapter):
+    name = "llama-server"
+    label = "llama-server"
+    formats = ("gguf",)
+    health_path = "/health"
+    ready_hints = ("server is listening", "HTTP server listening")
+
+    def load_timeout_s(self) -> int:
+        return settings.LOAD_TIMEOUT_LLAMA_S
+
+    def allowed_flags(self, version: str) -> dict[str, str]:
+        flags = dict(COMMON_FLAGS)
+        parsed = parse_version(version)
+        if parsed and parsed < FLASH_ATTN_VALUE_SINCE:
+            flags["--flash-attn"] = BOOL
+        else:
+            flags["--flash-attn"] = "choice:on|off|auto"
+        return flags
+
+    def build_command(self, spec: LaunchSpec) -> list[str]:
+        cmd = [
+            spec.executable or "llama-server",
+            "-m", str(spec.model_file),
+            "--alias", spec.model_name,
+            "--host", spec.host,
+            "--port", str(spec.port),
+        ]
+        if spec.is_embedding:
+            cmd += ["--embedding", "--pooling", "mean"]
+        extra = self.extra_argv(spec)
+        if spec.gpus and "--n-gpu-layers" not in extra:
+            cmd += ["-ngl", "999"]  # every layer on the held GPUs
+        return cmd + extra

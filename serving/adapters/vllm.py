@@ -1,0 +1,93 @@
+"""vLLM's OpenAI server (CUDA and ROCm builds) for Hugging Face / safetensors models."""
+from __future__ import annotations
+
+import sys
+
+from django.conf import settings
+
+from serving.adapters.base import BOOL, FLOAT, INT, STR, BackendAdapter, LaunchSpec, parse_version
+
+# vLLM's docs: through 0.10.0 embeddings use `--task embed`; from 0.10.1 `--runner pooling --convert embed`.
+POOLING_RUNNER_SINCE = (0, 10, 1)
+
+COMMON_FLAGS = {
+    "--max-model-len": INT,
+    "--gpu-memory-utilization": FLOAT,
+    "--dtype": "choice:auto|half|float16|bfloat16|float|float32",
+    "--max-num-seqs": INT,
+    "--max-num-batched-tokens": INT,
+    "--enforce-eager": BOOL,
+    "--trust-remote-code": BOOL,
+    "--quantization": STR,
+    "--kv-cache-dtype": STR,
+    "--swap-space": FLOAT,
+    "--block-size": INT,
+    "--seed": INT,
+    "--enable-prefix-caching": BOOL,
+    "--enable-chunked-prefill": BOOL,
+    "--pipeline-parallel-size": INT,
+    "--chat-template": STR,
+    "--tokenizer-mode": STR,
+    "--revision": STR,
+}
+
+
+def uses_pooling_runner(version: str) -> bool:
+    """True when this vLLM takes `--runner pooling --convert embed` (unknown version: the current style)."""
+    parsed = parse_version(version)
+    return not parsed or parsed >= POOLING_RUNNER_SINCE
+
+
+class VllmServer(BackendAdapter):
+    name = "vllm"
+    label = "vLLM"
+    formats = ("huggingface",)
+    health_path = "/health"
+    ready_hints = ("Uvicorn running on", "Application startup complete")
+
+    def load_timeout_s(self) -> int:
+        return settings.LOAD_TIMEOUT_VLLM_S
+
+    def allowed_flags(self, version: str) -> dict[str, str]:
+        flags = dict(COMMON_FLAGS)
+        if uses_pooling_runner(version):
+            flags["--runner"] = "choice:auto|generate|pooling"
+            flags["--convert"] = "choice:auto|embed|classify|reward"
+        else:
+            flags["--task"] = "choice:auto|generate|embed|classify|score|reward"
+        return flags
+
+    def build_command(self, spec: LaunchSpec) -> list[str]:
+        cmd = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(spec.model_file),
+            "--served-model-name", spec.model_name,
+            "--host", spec.host,
+            "--port", str(spec.port),
+        ]
+        if spec.is_embedding:
+            if uses_pooling_runner(spec.version):
+                cmd += ["--runner", "pooling", "--convert", "embed"]
+            else:
+                cmd += ["--task", "embed"]
+        if len(spec.gpus) > 1 or spec.tensor_parallel_size > 1:
+            cmd += ["--tensor-parallel-size", str(max(spec.tensor_parallel_size, len(spec.gpus)))]
+        extra = self.extra_argv(spec)
+        if spec.is_embedding:
+            # The adapter already chose the runner; a second one would contradict it.
+            extra = _drop_flags(extra, {"--runner", "--convert", "--task"})
+        return cmd + extra
+
+
+def _drop_flags(argv: list[str], flags: set[str]) -> list[str]:
+    out: list[str] = []
+    skip = False
+    for i, item in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        if item in flags:
+            skip = i + 1 < len(argv) and not argv[i + 1].startswith("--")
+            continue
+        out.append(item)
+    return out

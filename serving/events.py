@@ -1,0 +1,72 @@
+"""Live updates for instance pages: typed wrappers around xgenconsole.live.publish.
+
+Groups: "instances" (the list page) and "instance.<id>" (one instance's page). Fragments carry
+data-version, so a page's catch-up fetch and the websocket can race without an older
+fragment overwriting a newer one (static/js/live_versions.js).
+"""
+from __future__ import annotations
+
+from django.template.loader import render_to_string
+from django.utils.html import escape
+
+from serving.models import InstanceEvent, ModelInstance
+from xgenconsole.live import publish, publish_sync
+
+LIST_GROUP = "instances"
+TIMELINE_ROWS = 100
+
+
+def instance_group(instance_id: int) -> str:
+    return f"instance.{instance_id}"
+
+
+def timeline_events(instance_id: int) -> list[InstanceEvent]:
+    """The newest TIMELINE_ROWS events, oldest first."""
+    return list(reversed(InstanceEvent.objects.filter(instance_id=instance_id).order_by("-at", "-pk")[:TIMELINE_ROWS]))
+
+
+def timeline_html(instance_id: int, *, oob: bool) -> str:
+    """The whole timeline, versioned by its newest event (each snapshot is complete: the newest wins)."""
+    evs = timeline_events(instance_id)
+    return render_to_string("serving/partials/_timeline.html",
+                            {"events": evs, "version": evs[-1].pk if evs else 0, "oob": oob})
+
+
+def state_changed(instance: ModelInstance, event: InstanceEvent | None = None) -> None:
+    """The list page's card, the state block and (after a transition) the timeline of its page (sync)."""
+    # The whole list card, not rows: the consumer joins fragments into one message, and a <tr>
+    # beside a non-table element does not survive HTML parsing. Bursts coalesce by key.
+    publish_sync(LIST_GROUP, instances_card_html(oob=True), key="instances-card")
+    state = render_to_string("serving/partials/_instance_state.html", {"inst": instance, "oob": True})
+    publish_sync(instance_group(instance.pk), state, key=f"inst-state-{instance.pk}")
+    if event is not None:
+        publish_sync(instance_group(instance.pk), timeline_html(instance.pk, oob=True), key=f"timeline-{instance.pk}")
+
+
+def instances_context(*, can_operate: bool) -> dict:
+    """What the list card shows: the newest instances, the ready count, and the card's version."""
+    from serving.models import ACTIVE_STATES, InstanceState
+
+    instances = list(ModelInstance.objects.select_related("node")[:200])
+    active = ModelInstance.objects.filter(state__in=ACTIVE_STATES)
+    return {
+        "instances": instances, "can_operate": can_operate,
+        "ready": active.filter(state=InstanceState.READY).count(), "total": active.count(),
+        "list_version": max((i.live_version for i in instances), default=0),
+    }
+
+
+def instances_card_html(*, oob: bool) -> str:
+    # Operator buttons are always rendered; the page hides them for viewers (CSS) and the server refuses.
+    return render_to_string("serving/partials/_instances_card.html", {**instances_context(can_operate=True), "oob": oob})
+
+
+def log_fragment(lines: list[str], offset: int) -> str:
+    body = "".join(f'<span class="line">{escape(line)}</span>' for line in lines)
+    return f'<div hx-swap-oob="beforeend:#log" data-version="{offset}">{body}</div>'
+
+
+async def log_lines(instance_id: int, lines: list[str], offset: int = 0) -> None:
+    """Append log lines on the instance page; `offset` is the log file position after them."""
+    if lines:
+        await publish(instance_group(instance_id), log_fragment(lines, offset))

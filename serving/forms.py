@@ -1,0 +1,65 @@
+"""The Load form: what an operator fills in, parsed into request_load's arguments."""
+from __future__ import annotations
+
+import shlex
+
+from django import forms
+
+from serving.adapters import ADAPTERS
+
+
+class ExtraArgsError(ValueError):
+    pass
+
+
+def parse_extra_args(text: str) -> dict[str, object]:
+    """One `--flag value`, `--flag` or `key=value` per line -> {flag: value}; a bare flag is True."""
+    out: dict[str, object] = {}
+    for n, raw in enumerate((text or "").splitlines(), start=1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        if not line.startswith("-") and "=" in line:
+            key, value = line.split("=", 1)
+            out[key.strip()] = value.strip()
+            continue
+        if line.startswith("-") and "=" in line.split()[0]:
+            key, value = line.split("=", 1)
+            out[key.strip()] = value.strip()
+            continue
+        try:
+            parts = shlex.split(line)
+        except ValueError as exc:
+            raise ExtraArgsError(f"line {n}: {exc}") from None
+        if len(parts) == 1:
+            out[parts[0]] = True
+        elif len(parts) == 2:
+            out[parts[0]] = parts[1]
+        else:
+            raise ExtraArgsError(f"line {n}: one flag and at most one value per line ({line[:60]!r})")
+    return out
+
+
+class LoadForm(forms.Form):
+    model_path = forms.CharField(max_length=1024, label="Model (store prefix or absolute path on the node)")
+    model_name = forms.CharField(max_length=128, required=False, label="Served name (what clients put in model)")
+    server_type = forms.ChoiceField(choices=[("llm", "LLM (chat, completions)"), ("embedding", "Embedding")],
+                                    initial="llm", label="Type")
+    backend = forms.ChoiceField(choices=[("auto", "auto")] + [(n, n) for n in ADAPTERS], initial="auto")
+    node = forms.CharField(max_length=100, required=False)
+    gpus = forms.TypedMultipleChoiceField(coerce=int, required=False, choices=[], label="GPUs")
+    tensor_parallel_size = forms.IntegerField(min_value=1, max_value=64, initial=1, required=False)
+    extra_args = forms.CharField(widget=forms.Textarea(attrs={"rows": 4, "placeholder": "--ctx-size 8192\n--flash-attn on"}),
+                                 required=False, max_length=8000,
+                                 label="Extra arguments (one --flag value per line, or key=value)")
+    autostart = forms.BooleanField(required=False, label="Start again when the node agent starts")
+
+    def __init__(self, *args, gpu_choices: list[tuple[int, str]] | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.fields["gpus"].choices = gpu_choices or []
+
+    def clean_extra_args(self) -> dict:
+        try:
+            return parse_extra_args(self.cleaned_data.get("extra_args") or "")
+        except ExtraArgsError as exc:
+            raise forms.ValidationError(str(exc)) from None

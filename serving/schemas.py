@@ -1,0 +1,57 @@
+"""Request and response bodies of the management API (see /work/shared/api.md)."""
+from __future__ import annotations
+
+from datetime import datetime
+
+from ninja import Field, Schema
+
+
+class LoadIn(Schema):
+    model_path: str = Field(..., max_length=1024)
+    model_name: str | None = Field(None, max_length=128)
+    server_type: str = "llm"
+    backend: str | None = "auto"
+    node: str | None = Field(None, max_length=100)
+    gpus: list[int] | None = Field(None, max_length=64)
+    tensor_parallel_size: int | None = Field(None, ge=1, le=64)
+    extra_args: dict[str, str | int | float | bool | None] | None = Field(None, max_length=64)
+    autostart: bool = False
+
+
+class LoadOut(Schema):
+    id: int
+    model_name: str
+    state: str
+    backend: str
+    backend_reason: str
+    node: str
+    gpus: list[int]
+
+
+class InstanceRef(Schema):
+    id: int | None = None
+    model_name: str | None = Field(None, max_length=128)
+
+
+class InstanceOut(Schema):
+    id: int
+    model_name: str
+    model_path: str
+    type: str
+    state: str
+    state_message: str
+    progress_pct: float | None
+    desired_state: str
+    backend: str
+    backend_reason: str
+    node: str
+    gpus: list[int]
+    port: int | None
+    pid: int | None
+    restarts: int
+    error: str
+    exit_code: int | None
+    extra_args: dict
+    ready_at: datetime | None
+    created_at: datetime
+    log_tail: list[str]

@@ -1,0 +1,95 @@
+"""In a real Chromium, as a newcomer: Models -> Load on the demo model -> watch the log stream and
+READY -> chat in the playground -> Unload."""
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from tests.browser.conftest import login
+from tests.conftest import Console, start_console
+from tests.procs import stop_process
+
+pytestmark = pytest.mark.browser
+
+
+@pytest.fixture(scope="module")
+def demo_console(tmp_path_factory) -> Iterator[Console]:
+    """A newcomer's console: the demo model on, backends as the node's own probe finds them."""
+    c = start_console(tmp_path_factory.mktemp("demo-console"), extra_env={"XGEN_DEMO_MODEL": "true"})
+    yield c
+    code = stop_process(c.proc, timeout=30)
+    assert code == 0, f"console exited with {code}:\n{c.log[-3000:]}"
+
+
+def test_load_watch_chat_unload(demo_console, page):
+    console = demo_console
+    login(page, console.url, console.admin_user, console.admin_password)
+    row = page.locator("tr", has_text="gguf/xgen-tiny-demo")
+    deadline = time.monotonic() + 30
+    while True:  # the agent's first start puts the demo model in the store
+        page.goto(f"{console.url}/models/")
+        if row.count() or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    row.get_by_role("link", name="Load").click()
+    assert "/instances/new/?model_path=gguf/xgen-tiny-demo" in page.url
+    verdict = page.locator("#load-verdict")
+    verdict.get_by_text("GGUF on CPU-only -> llama-cpp-python (cpu)").wait_for()
+    assert "runs on the CPU of test-node" in verdict.inner_text()
+    page.fill("#id_model_name", "demo-chat")
+    page.fill("#id_extra_args", "--no-such-flag 1")
+    page.locator("#verdict-error").get_by_text("does not accept --no-such-flag").wait_for()
+    page.fill("#id_extra_args", "--n_ctx 512")
+    page.locator("#command-line").get_by_text("--n_ctx 512").wait_for()
+    assert "--model_alias demo-chat" in page.locator("#command-line").inner_text()
+    page.click("#load-submit")
+    page.wait_for_url(re.compile(r"/instances/\d+/$"))
+    page.locator("#live-indicator:not([hidden])").wait_for()
+    page.locator("[data-state=READY]").wait_for(timeout=60_000)
+    timeline = page.locator("#timeline").inner_text()
+    for state in ("PENDING", "CACHING", "LOADING", "WARMING", "READY"):
+        assert state in timeline
+    page.locator("#log .line", has_text="Uvicorn running on").first.wait_for()
+    lines_before = page.locator("#log .line").count()
+
+    # Reading up pauses the follow; new lines then do not yank the view back down.
+    page.locator("#log").evaluate("el => { el.scrollTop = 0; el.dispatchEvent(new Event('scroll')); }")
+    page.locator("#log-follow").get_by_text("paused").wait_for()
+    page.fill("#prompt", "hello there")
+    page.click("#playground-form button[type=submit]")
+    page.locator("#reply-text").wait_for()
+    assert "completion tokens" in page.locator("#playground-reply").inner_text()
+    # The backend's access-log line for that chat streams into the open page.
+    page.wait_for_function(f"document.querySelectorAll('#log .line').length > {lines_before}")
+    assert page.locator("#log .line").count() > lines_before
+    assert page.locator("#log").evaluate("el => el.scrollTop") == 0
+    page.locator("#log").evaluate("el => { el.scrollTop = el.scrollHeight; el.dispatchEvent(new Event('scroll')); }")
+    page.locator("#log-follow").get_by_text("following").wait_for()
+
+    page.fill("#log-filter", "chat/completions")
+    visible = page.locator("#log .line:visible")
+    assert visible.count() >= 1 and all("chat/completions" in t for t in visible.all_inner_texts())
+    page.fill("#log-filter", "")
+
+    with page.expect_download() as dl:
+        page.get_by_role("button", name="Download log").click()
+    assert "Uvicorn running on" in open(dl.value.path()).read()
+
+    page.click("#unload-btn")
+    page.locator("[data-state=STOPPED]").wait_for(timeout=30_000)
+    page.goto(f"{console.url}/instances/")
+    listed = page.locator("tr", has_text="demo-chat")
+    assert listed.locator("[data-state=STOPPED]").count() == 1
+    # The list page is live too: Start brings the row to READY and the count along, without a reload.
+    page.locator("#live-indicator:not([hidden])").wait_for()
+    listed.get_by_role("button", name="Start").click()
+    page.locator("#action-msg").get_by_text("Restart of demo-chat requested").wait_for()
+    listed.locator("[data-state=READY]").wait_for(timeout=60_000)
+    page.locator("#ready-count").get_by_text("1 ready of 1 active").wait_for()
+    page.once("dialog", lambda dialog: dialog.accept())
+    listed.get_by_role("button", name="Unload").click()
+    listed.locator("[data-state=STOPPED]").wait_for(timeout=30_000)
+    page.locator("#ready-count").get_by_text("0 ready of 0 active").wait_for()

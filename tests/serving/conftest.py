@@ -1,0 +1,85 @@
+"""Serving fixtures: a node whose agent runs the real Supervisor in this process."""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+from asgiref.sync import sync_to_async
+
+LLAMA_CPP_PYTHON = {"name": "llama-cpp-python", "available": True, "version": "0.3.16", "flavour": "cpu",
+                    "path": "", "reason": ""}
+NODE = "node-t"
+
+
+@pytest.fixture
+def serving_settings(settings, tmp_path):
+    settings.NODE_NAME = NODE
+    settings.LOG_DIR = tmp_path / "logs"
+    settings.RESTART_BACKOFF_S = 0
+    settings.RESTART_LIMIT = 3
+    settings.STOP_GRACE_S = 5
+    settings.RECONCILE_INTERVAL_S = 1
+    settings.LOAD_TIMEOUT_LLAMA_S = 60
+    return settings
+
+
+def set_backends(name: str, backends: list[dict]) -> None:
+    from hardware.models import Node
+
+    Node.objects.filter(name=name).update(backends=backends)
+
+
+@pytest.fixture
+async def agent(serving_settings, transactional_db) -> AsyncIterator[object]:
+    """A real NodeAgent with the real Supervisor, on node-t, for the test."""
+    from hardware.services import register_node
+    from serving.agent import NodeAgent
+    from serving.supervisor import Supervisor
+
+    await sync_to_async(register_node)(name=NODE, address="127.0.0.1")
+    await sync_to_async(set_backends)(NODE, [LLAMA_CPP_PYTHON])
+    supervisor = Supervisor()
+    node_agent = NodeAgent(name=NODE, address="127.0.0.1", workers=[supervisor])
+    node_agent.supervisor = supervisor
+    stop = asyncio.Event()
+    task = asyncio.create_task(node_agent.run(stop))
+    await asyncio.wait_for(node_agent.started.wait(), 30)
+    yield node_agent
+    stop.set()
+    await asyncio.wait_for(task, 60)
+
+
+async def wait_state(instance_id: int, states: set[str], *, timeout: float = 60) -> object:
+    """Poll the row until its state is one of `states`."""
+    from serving.models import ModelInstance
+
+    deadline = time.monotonic() + timeout
+    inst = None
+    while time.monotonic() < deadline:
+        inst = await sync_to_async(ModelInstance.objects.get)(pk=instance_id)
+        if inst.state in states:
+            return inst
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"instance {instance_id} stayed {inst.state if inst else '?'} "
+                         f"({inst.state_message if inst else ''}); wanted {states}")
+
+
+def backend_pids(model_name: str, port: int) -> list[int]:
+    """Processes whose command line serves `model_name` on `port` (any parent)."""
+    import os
+    from pathlib import Path
+
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            cmd = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+            state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z" and model_name.encode() in cmd and str(port).encode() in cmd:
+            out.append(int(entry))
+    return out

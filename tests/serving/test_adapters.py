@@ -1,0 +1,157 @@
+"""Command lines, flags and environments of each backend adapter, across versions."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from serving.adapters import ADAPTERS, InvalidExtraArgs, LaunchSpec, get_adapter
+from serving.adapters.base import parse_version
+from serving.adapters.vllm import uses_pooling_runner
+
+MODEL_DIR = Path("/models/huggingface/Qwen_Qwen3-4B")
+GGUF = Path("/models/gguf/tiny/tiny.gguf")
+
+
+def spec(**kw) -> LaunchSpec:
+    base = dict(model_file=MODEL_DIR, model_name="qwen", server_type="llm", host="127.0.0.1", port=18001)
+    base.update(kw)
+    return LaunchSpec(**base)
+
+
+def test_registry_is_explicit():
+    assert set(ADAPTERS) == {"vllm", "llama-server", "llama-cpp-python"}
+    with pytest.raises(KeyError):
+        get_adapter("tgi")
+
+
+@pytest.mark.parametrize("version,parsed", [
+    ("0.9.2", (0, 9, 2)), ("0.10.0", (0, 10, 0)), ("0.10.1", (0, 10, 1)), ("0.10.1rc1", (0, 10, 1)),
+    ("0.15.1+cu128", (0, 15, 1)), ("v0.17.0", (0, 17, 0)), ("0.33.0", (0, 33, 0)), ("b6123", (6123,)), ("", ()),
+])
+def test_versions_parse(version, parsed):
+    assert parse_version(version) == parsed
+
+
+# vLLM's docs: `--task embed` through 0.10.0, `--runner pooling --convert embed` from 0.10.1.
+@pytest.mark.parametrize("version,embed_flags", [
+    ("0.9.2", ["--task", "embed"]),
+    ("0.10.0", ["--task", "embed"]),
+    ("0.10.1", ["--runner", "pooling", "--convert", "embed"]),
+    ("0.15.1", ["--runner", "pooling", "--convert", "embed"]),
+    ("0.17.0", ["--runner", "pooling", "--convert", "embed"]),
+    ("0.33.0", ["--runner", "pooling", "--convert", "embed"]),
+])
+def test_vllm_embedding_flags_follow_the_installed_version(version, embed_flags):
+    vllm = get_adapter("vllm")
+    cmd = vllm.build_command(spec(server_type="embedding", version=version))
+    assert cmd[:3] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+    assert cmd[3:11] == ["--model", str(MODEL_DIR), "--served-model-name", "qwen", "--host", "127.0.0.1",
+                         "--port", "18001"]
+    assert cmd[11:] == embed_flags
+    llm = vllm.build_command(spec(version=version))
+    assert not {"--task", "--runner", "--convert"} & set(llm)
+    assert uses_pooling_runner(version) == (embed_flags[0] == "--runner")
+
+
+@pytest.mark.parametrize("version", ["0.15.1", "0.17.0", "0.33.0"])
+def test_vllm_tensor_parallel_env_and_extra_args(version):
+    vllm = get_adapter("vllm")
+    s = spec(version=version, gpus=(2, 3), gpu_type="NVIDIA", flavour="cuda", tensor_parallel_size=2,
+             extra_args={"--max-model-len": "8192", "--enforce-eager": True, "--trust-remote-code": False,
+                         "gpu-memory-utilization": 0.85})
+    cmd = vllm.build_command(s)
+    i = cmd.index("--tensor-parallel-size")
+    assert cmd[i + 1] == "2"
+    assert cmd[cmd.index("--max-model-len") + 1] == "8192"
+    assert "--enforce-eager" in cmd and "--trust-remote-code" not in cmd
+    assert cmd[cmd.index("--gpu-memory-utilization") + 1] == "0.85"
+    env = vllm.build_env(s, {"PATH": "/usr/bin", "CUDA_VISIBLE_DEVICES": "0,1,2,3"})
+    assert env["CUDA_VISIBLE_DEVICES"] == "2,3"
+    assert env["HF_HUB_OFFLINE"] == "1" and env["TRANSFORMERS_OFFLINE"] == "1" and env["PATH"] == "/usr/bin"
+    amd = vllm.build_env(spec(version=version, gpus=(1,), gpu_type="AMD_CDNA", flavour="rocm"), {})
+    assert amd["HIP_VISIBLE_DEVICES"] == "1" and "CUDA_VISIBLE_DEVICES" not in amd
+    one_gpu = vllm.build_command(spec(version=version, gpus=(0,), gpu_type="NVIDIA"))
+    assert "--tensor-parallel-size" not in one_gpu
+
+
+def test_vllm_runner_flags_are_allowed_only_where_the_version_has_them():
+    vllm = get_adapter("vllm")
+    assert vllm.normalize_extra_args({"--task": "generate"}, "0.10.0") == {"--task": "generate"}
+    with pytest.raises(InvalidExtraArgs, match="--task"):
+        vllm.normalize_extra_args({"--task": "generate"}, "0.17.0")
+    with pytest.raises(InvalidExtraArgs, match="--runner"):
+        vllm.normalize_extra_args({"--runner": "pooling"}, "0.9.2")
+    assert vllm.normalize_extra_args({"--runner": "generate"}, "0.15.1") == {"--runner": "generate"}
+    # An embedding instance keeps the adapter's own runner choice.
+    cmd = vllm.build_command(spec(server_type="embedding", version="0.17.0", extra_args={"--convert": "classify"}))
+    assert cmd.count("--convert") == 1 and cmd[cmd.index("--convert") + 1] == "embed"
+
+
+@pytest.mark.parametrize("flavour,gpu_type,env_key", [
+    ("cuda", "NVIDIA", "CUDA_VISIBLE_DEVICES"), ("rocm", "AMD_CDNA", "HIP_VISIBLE_DEVICES"),
+    ("vulkan", "AMD_RDNA", "GGML_VK_VISIBLE_DEVICES"),
+])
+def test_llama_server_gpu_builds(flavour, gpu_type, env_key):
+    ls = get_adapter("llama-server")
+    s = spec(model_file=GGUF, model_name="tiny", gpus=(0, 1), gpu_type=gpu_type, flavour=flavour, version="b6500",
+             executable="/opt/llama/bin/llama-server")
+    cmd = ls.build_command(s)
+    assert cmd[:9] == ["/opt/llama/bin/llama-server", "-m", str(GGUF), "--alias", "tiny", "--host", "127.0.0.1",
+                       "--port", "18001"]
+    assert cmd[cmd.index("-ngl") + 1] == "999"
+    assert ls.build_env(s, {})[env_key] == "0,1"
+    assert ls.health_path == "/health"
+
+
+def test_llama_server_embedding_cpu_and_flags_by_build():
+    ls = get_adapter("llama-server")
+    cmd = ls.build_command(spec(model_file=GGUF, model_name="emb", server_type="embedding", flavour="cpu"))
+    assert cmd[0] == "llama-server" and "--embedding" in cmd and cmd[cmd.index("--pooling") + 1] == "mean"
+    assert "-ngl" not in cmd
+    # --flash-attn: a bare switch on old builds, on|off|auto from b6325.
+    assert ls.normalize_extra_args({"--flash-attn": True}, "b5000") == {"--flash-attn": True}
+    assert ls.normalize_extra_args({"--flash-attn": "on"}, "b6500") == {"--flash-attn": "on"}
+    with pytest.raises(InvalidExtraArgs, match="--flash-attn needs a value"):
+        ls.normalize_extra_args({"--flash-attn": True}, "b6500")
+    cmd = ls.build_command(spec(model_file=GGUF, model_name="t", gpus=(0,), gpu_type="NVIDIA", flavour="cuda",
+                                extra_args={"--n-gpu-layers": 20, "--ctx-size": 4096}))
+    assert "-ngl" not in cmd and cmd[cmd.index("--n-gpu-layers") + 1] == "20"
+
+
+def test_llama_cpp_python_command():
+    lcp = get_adapter("llama-cpp-python")
+    cmd = lcp.build_command(spec(model_file=GGUF, model_name="tiny", server_type="embedding",
+                                 extra_args={"--n_ctx": 512, "--verbose": False}))
+    assert cmd[:3] == [sys.executable, "-m", "llama_cpp.server"]
+    assert cmd[3:11] == ["--model", str(GGUF), "--model_alias", "tiny", "--host", "127.0.0.1", "--port", "18001"]
+    assert cmd[11:13] == ["--embedding", "true"]
+    assert cmd[cmd.index("--n_ctx") + 1] == "512" and cmd[cmd.index("--verbose") + 1] == "false"
+    assert lcp.health_path == "/v1/models"
+    assert lcp.warmup_request(spec(server_type="embedding"))[0] == "/v1/embeddings"
+    path, body = lcp.warmup_request(spec())
+    assert path == "/v1/chat/completions" and body["max_tokens"] == 1
+
+
+@pytest.mark.parametrize("backend,extra,match", [
+    ("llama-cpp-python", {"--model": "/etc/passwd"}, "--model"),
+    ("llama-cpp-python", {"--host": "0.0.0.0"}, "--host"),
+    ("vllm", {"--port": "1"}, "--port"),
+    ("vllm", {"--max-model-len": "8192\n--evil"}, "newline"),
+    ("vllm", {"--max-model-len": "x" * 600}, "too long"),
+    ("vllm", {"--max-model-len": "lots"}, "whole number"),
+    ("vllm", {"--max-model-len; rm -rf /": "1"}, "not a flag"),
+    ("llama-server", {"--ctx-size": True}, "not true/false"),
+    ("llama-server", {"--no-such-flag": "1"}, "--no-such-flag"),
+    ("llama-server", {"--chat-template": "a\0b"}, "NUL"),
+])
+def test_bad_extra_args_are_refused_naming_the_flag(backend, extra, match):
+    with pytest.raises(InvalidExtraArgs, match=match):
+        get_adapter(backend).normalize_extra_args(extra, "0.17.0" if backend == "vllm" else "")
+
+
+def test_extra_args_are_argv_items_never_a_shell():
+    cmd = get_adapter("llama-server").build_command(
+        spec(model_file=GGUF, model_name="t", extra_args={"--chat-template": "{{ x }} $(reboot); `id`"}))
+    assert cmd[-2:] == ["--chat-template", "{{ x }} $(reboot); `id`"]

@@ -1,0 +1,140 @@
+"""The management API as api.md states it: load, unload, restart, instances; refusals are 4xx."""
+from __future__ import annotations
+
+import pytest
+from django.test import Client
+
+from tests.conftest import bearer
+from tests.serving.conftest import LLAMA_CPP_PYTHON, NODE
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def node(serving_settings):
+    from hardware.services import register_node
+
+    n = register_node(name=NODE, address="127.0.0.1")
+    n.backends = [LLAMA_CPP_PYTHON]
+    n.save()
+    return n
+
+
+def post(client, path, body, key):
+    return client.post(f"/api/management/{path}", body, content_type="application/json", **bearer(key))
+
+
+def err(r, status):
+    assert r.status_code == status, (r.status_code, r.content[:400])
+    body = r.json()
+    assert set(body["error"]) == {"message", "type", "code"}
+    return body["error"]
+
+
+def test_load_answers_202_with_the_choice(client: Client, node, operator, tiny_gguf):
+    r = post(client, "load", {"model_path": str(tiny_gguf), "model_name": "tiny"}, operator.key)
+    assert r.status_code == 202, r.content
+    body = r.json()
+    assert set(body) == {"id", "model_name", "state", "backend", "backend_reason", "node", "gpus"}
+    assert body["state"] == "PENDING" and body["backend"] == "llama-cpp-python" and body["node"] == NODE
+    assert body["gpus"] == [] and "GGUF on CPU-only -> llama-cpp-python (cpu)" == body["backend_reason"]
+    one = client.get(f"/api/management/instances/{body['id']}", **bearer(operator.key)).json()
+    for field in ("state", "error", "port", "pid", "restarts", "ready_at", "log_tail"):
+        assert field in one
+    assert [i["id"] for i in client.get("/api/management/instances", **bearer(operator.key)).json()] == [body["id"]]
+    # The same served name twice among active instances: 409.
+    e = err(post(client, "load", {"model_path": str(tiny_gguf), "model_name": "tiny"}, operator.key), 409)
+    assert e["code"] == "duplicate_model_name" and "tiny" in e["message"]
+
+
+def test_default_name_and_unload_by_name(client, node, operator, tiny_gguf):
+    r = post(client, "load", {"model_path": str(tiny_gguf)}, operator.key)
+    assert r.status_code == 202 and r.json()["model_name"] == "tiny-llama"
+    r = post(client, "unload", {"model_name": "tiny-llama"}, operator.key)
+    assert r.status_code == 202 and r.json()["desired_state"] == "STOPPED"
+    # Never started: it is STOPPED at once, and its name is free again.
+    assert r.json()["state"] == "STOPPED"
+    assert post(client, "load", {"model_path": str(tiny_gguf)}, operator.key).status_code == 202
+
+
+@pytest.mark.parametrize("body,status,needle", [
+    ({"model_path": "gguf/../../etc"}, 400, ".."),
+    ({"model_path": "/models/../etc/passwd"}, 400, ".."),
+    ({"model_path": "/nonexistent/model.gguf"}, 400, "no file or directory"),
+    ({"model_path": "/etc/hostname"}, 400, "not a .gguf"),
+    ({"model_path": "gguf/not-in-store"}, 400, "no model 'gguf/not-in-store' in the store"),
+    ({"model_path": "relative/path"}, 400, "gguf/ or huggingface/"),
+    ({"model_path": ""}, 400, "empty"),
+    ({"model_path": "TINY", "model_name": "bad name; rm"}, 400, "model_name"),
+    ({"model_path": "TINY", "server_type": "vision"}, 400, "server_type"),
+    ({"model_path": "TINY", "extra_args": {"--model": "/etc/passwd"}}, 400, "--model"),
+    ({"model_path": "TINY", "extra_args": {"--n_ctx": "1\n2"}}, 400, "newline"),
+    ({"model_path": "TINY", "backend": "vllm"}, 400, "vllm cannot serve a gguf"),
+    ({"model_path": "TINY", "node": "nowhere"}, 400, "unknown node 'nowhere'"),
+    ({"model_path": "TINY", "gpus": [0]}, 400, "runs on the CPU"),
+    ({"model_path": "TINY", "tensor_parallel_size": 0}, 400, "tensor_parallel_size"),
+    ({"model_name": "x"}, 400, "model_path"),
+])
+def test_bad_loads_are_refused_clearly(client, node, operator, tiny_gguf, body, status, needle):
+    if body.get("model_path") == "TINY":
+        body = {**body, "model_path": str(tiny_gguf)}
+    e = err(post(client, "load", body, operator.key), status)
+    assert needle in e["message"], e
+    from serving.models import ModelInstance
+
+    assert ModelInstance.objects.count() == 0, "no half-written state"
+
+
+def test_offline_node_is_409(client, node, operator, tiny_gguf):
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    type(node).objects.filter(pk=node.pk).update(last_heartbeat=timezone.now() - timedelta(minutes=5))
+    e = err(post(client, "load", {"model_path": str(tiny_gguf), "node": NODE}, operator.key), 409)
+    assert e["code"] == "node_offline" and "offline" in e["message"]
+    e = err(post(client, "load", {"model_path": str(tiny_gguf)}, operator.key), 409)
+    assert "no node agent is online" in e["message"]
+
+
+def test_gpu_node_places_and_refuses_with_numbers(client, node, operator, tiny_gguf):
+    from hardware.models import GpuDevice
+
+    node.backends = [{"name": "llama-server", "available": True, "version": "b6500", "flavour": "cuda",
+                      "path": "/opt/llama-server", "reason": ""}, LLAMA_CPP_PYTHON]
+    node.save()
+    GpuDevice.objects.create(node=node, index=0, vendor="NVIDIA", type="NVIDIA", name="L4",
+                             memory_total_mib=24000, memory_used_mib=23800)
+    GpuDevice.objects.create(node=node, index=1, vendor="NVIDIA", type="NVIDIA", name="L4",
+                             memory_total_mib=24000, memory_used_mib=1000)
+    r = post(client, "load", {"model_path": str(tiny_gguf), "model_name": "g"}, operator.key)
+    assert r.status_code == 202, r.content
+    assert r.json()["gpus"] == [1] and r.json()["backend"] == "llama-server"
+    assert r.json()["backend_reason"] == "GGUF on NVIDIA -> llama-server (cuda)"
+    GpuDevice.objects.filter(index=1).update(memory_used_mib=23900)
+    e = err(post(client, "load", {"model_path": str(tiny_gguf), "model_name": "h"}, operator.key), 409)
+    assert e["code"] == "does_not_fit"
+    assert e["message"].startswith("needs ~0.5 GiB, largest free is 0.2 GiB on gpu 0 of node-t")
+
+
+def test_roles(client, node, viewer, operator, tiny_gguf):
+    e = err(post(client, "load", {"model_path": str(tiny_gguf)}, viewer.key), 403)
+    assert e["code"] == "insufficient_role"
+    assert client.get("/api/management/instances", **bearer(viewer.key)).status_code == 200
+    err(client.post("/api/management/load", {"model_path": str(tiny_gguf)}, content_type="application/json"), 401)
+    r = post(client, "load", {"model_path": str(tiny_gguf)}, operator.key)
+    err(post(client, "unload", {"id": r.json()["id"]}, viewer.key), 403)
+    err(post(client, "restart", {"id": r.json()["id"]}, viewer.key), 403)
+
+
+def test_unknown_instances(client, node, operator):
+    assert err(client.get("/api/management/instances/999", **bearer(operator.key)), 404)["code"] == "instance_not_found"
+    err(post(client, "unload", {"id": 999}, operator.key), 404)
+    err(post(client, "unload", {"model_name": "ghost"}, operator.key), 404)
+    err(post(client, "unload", {}, operator.key), 400)
+
+
+def test_a_node_that_has_not_reported_yet_is_409(client, node, operator, tiny_gguf):
+    type(node).objects.filter(pk=node.pk).update(backends=[], detector="")
+    e = err(post(client, "load", {"model_path": str(tiny_gguf)}, operator.key), 409)
+    assert e["code"] == "node_not_ready" and "not reported its hardware" in e["message"]

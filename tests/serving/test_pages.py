@@ -1,0 +1,155 @@
+"""The Load dialog, the instances list, one instance's page, its log and the websocket feeds."""
+from __future__ import annotations
+
+import pytest
+from asgiref.sync import sync_to_async
+from channels.testing import WebsocketCommunicator
+from django.test import Client
+
+from tests.serving.conftest import LLAMA_CPP_PYTHON, NODE
+
+
+@pytest.fixture
+def node(serving_settings, db):
+    from hardware.services import register_node
+
+    n = register_node(name=NODE, address="127.0.0.1")
+    n.backends = [LLAMA_CPP_PYTHON]
+    n.save()
+    return n
+
+
+def logged_in(account) -> Client:
+    c = Client()
+    c.force_login(account.user)
+    return c
+
+
+@pytest.mark.django_db
+def test_load_dialog_and_its_verdict(node, operator, viewer, tiny_gguf):
+    c = logged_in(operator)
+    page = c.get(f"/instances/new/?model_path={tiny_gguf}")
+    assert page.status_code == 200 and str(tiny_gguf) in page.content.decode()
+    v = c.get("/instances/new/verdict", {"model_path": str(tiny_gguf), "server_type": "embedding",
+                                         "extra_args": "--n_ctx 512\nverbose=false"}).content.decode()
+    assert "llama-cpp-python" in v and "GGUF on CPU-only" in v and "runs on the CPU of node-t" in v
+    assert "--embedding true" in v and "--n_ctx 512" in v and "--model_alias tiny-llama" in v
+    bad = c.get("/instances/new/verdict", {"model_path": str(tiny_gguf), "extra_args": "--rm -rf"}).content.decode()
+    assert "does not accept --rm" in bad
+    assert logged_in(viewer).get("/instances/new/").status_code == 403
+    assert logged_in(viewer).post("/instances/new/", {"model_path": str(tiny_gguf)}).status_code == 403
+
+
+@pytest.mark.django_db
+def test_load_form_shows_errors_and_creates_on_success(node, operator, tiny_gguf):
+    c = logged_in(operator)
+    r = c.post("/instances/new/", {"model_path": str(tiny_gguf), "server_type": "llm", "backend": "auto",
+                                   "node": NODE, "extra_args": "--model /etc/passwd"})
+    assert r.status_code == 400 and "does not accept --model" in r.content.decode()
+    r = c.post("/instances/new/", {"model_path": "/etc/../etc/passwd", "server_type": "llm", "backend": "auto"})
+    assert r.status_code == 400 and "contains &#x27;..&#x27;" in r.content.decode()
+    from serving.models import ModelInstance
+
+    assert ModelInstance.objects.count() == 0
+    r = c.post("/instances/new/", {"model_path": str(tiny_gguf), "model_name": "tiny-page", "server_type": "llm",
+                                   "backend": "auto", "node": NODE, "tensor_parallel_size": "1"})
+    inst = ModelInstance.objects.get()
+    assert r.status_code == 302 and r["Location"] == f"/instances/{inst.pk}/"
+    detail = c.get(r["Location"]).content.decode()
+    assert "tiny-page" in detail and "PENDING" in detail and 'id="unload-btn"' in detail
+    assert "load requested" in detail  # the timeline
+
+
+@pytest.mark.django_db
+def test_viewer_sees_no_actions_and_the_server_refuses_them(node, operator, viewer, tiny_gguf):
+    from serving.services import request_load
+
+    inst = request_load(model_path=str(tiny_gguf), model_name="t")
+    v = logged_in(viewer)
+    assert 'id="unload-btn"' not in v.get(f"/instances/{inst.pk}/").content.decode()
+    listing = v.get("/instances/").content.decode()
+    assert ".operator-only { display: none; }" in listing and "0 ready of 1 active" in listing
+    assert v.post(f"/instances/{inst.pk}/unload").status_code == 403
+    r = logged_in(operator).post(f"/instances/{inst.pk}/unload", HTTP_HX_REQUEST="true")
+    assert r.status_code == 200 and "Unload of t requested" in r.content.decode()
+    inst.refresh_from_db()
+    assert inst.desired_state == "STOPPED"
+
+
+@pytest.mark.django_db
+def test_log_download_keeps_the_previous_run(node, viewer, tiny_gguf, serving_settings):
+    from serving.services import request_load
+    from serving.supervisor import current_log, previous_log
+
+    inst = request_load(model_path=str(tiny_gguf), model_name="t")
+    c = logged_in(viewer)
+    assert c.get(f"/instances/{inst.pk}/log").status_code == 404
+    current_log(inst.pk).parent.mkdir(parents=True)
+    current_log(inst.pk).write_text("line one\nUvicorn running on http://127.0.0.1\n")
+    previous_log(inst.pk).write_text("the crashed run\n")
+    r = c.get(f"/instances/{inst.pk}/log")
+    assert r.status_code == 200 and b"".join(r.streaming_content).startswith(b"line one")
+    assert "attachment" in r["Content-Disposition"]
+    assert b"crashed run" in b"".join(c.get(f"/instances/{inst.pk}/log?run=previous").streaming_content)
+    assert c.get(f"/instances/{inst.pk}/log?run=../../etc").status_code == 404
+    page = c.get(f"/instances/{inst.pk}/").content.decode()
+    assert '<span class="line">Uvicorn running on http://127.0.0.1</span>' in page and "Previous run" in page
+
+
+@pytest.mark.django_db
+def test_playground_refuses_when_not_ready(node, viewer, tiny_gguf):
+    from serving.services import request_load
+
+    inst = request_load(model_path=str(tiny_gguf), model_name="t")
+    r = logged_in(viewer).post(f"/instances/{inst.pk}/playground", {"prompt": "hi"})
+    assert r.status_code == 200 and "t is PENDING, not READY" in r.content.decode()
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_websockets_carry_state_rows_and_log_lines(node, viewer, tiny_gguf):
+    from serving import events
+    from serving.consumers import InstanceConsumer, InstancesConsumer
+    from serving.services import request_load, transition
+
+    inst = await sync_to_async(request_load)(model_path=str(tiny_gguf), model_name="ws")
+    listing = WebsocketCommunicator(InstancesConsumer.as_asgi(), "/ws/instances/")
+    listing.scope["user"] = viewer.user
+    one = WebsocketCommunicator(InstanceConsumer.as_asgi(), f"/ws/instances/{inst.pk}/")
+    one.scope["user"] = viewer.user
+    one.scope["url_route"] = {"kwargs": {"pk": inst.pk}}
+    assert (await listing.connect())[0] and (await one.connect())[0]
+    await sync_to_async(transition)(inst.pk, "CACHING", "copying from the store: 40%", event=False, progress_pct=40.0)
+    row = await listing.receive_from(timeout=3)
+    assert row.startswith('<div id="instances-card"') and 'hx-swap-oob="true"' in row
+    assert f'id="inst-row-{inst.pk}"' in row and "CACHING 40%" in row and "1 active" in row
+    state = await one.receive_from(timeout=3)
+    assert f'id="inst-state-{inst.pk}"' in state and "copying from the store: 40%" in state
+    await events.log_lines(inst.pk, ["<b>not html</b>", "second"])
+    await sync_to_async(transition)(inst.pk, "LOADING", "starting")
+    got = ""
+    while 'id="timeline"' not in got or "second" not in got:
+        got += await one.receive_from(timeout=3)
+    assert "&lt;b&gt;not html&lt;/b&gt;" in got and "beforeend:#log" in got
+    await listing.disconnect()
+    await one.disconnect()
+
+
+@pytest.mark.django_db
+def test_verdict_on_a_gpu_node_lists_gpus_and_keeps_the_choice(node, operator, tiny_gguf):
+    from hardware.models import GpuDevice
+
+    node.backends = [{"name": "llama-server", "available": True, "version": "b6500", "flavour": "cuda",
+                      "path": "/opt/llama-server", "reason": ""}]
+    node.save()
+    for i, used in ((0, 1000), (1, 20000)):
+        GpuDevice.objects.create(node=node, index=i, vendor="NVIDIA", type="NVIDIA", name="L4",
+                                 memory_total_mib=24000, memory_used_mib=used)
+    v = logged_in(operator).get("/instances/new/verdict", {"model_path": str(tiny_gguf), "node": NODE, "gpus": "1"})
+    html = v.content.decode()
+    assert "fits on GPU 1 of node-t: needs ~0.5 GiB of 3.9 GiB free" in html
+    assert "GPU 0 · L4 · 22.5 of 23.4 GiB free" in html
+    assert 'value="1" checked' in html and 'value="0" checked' not in html
+    assert "/opt/llama-server -m" in html and "-ngl 999" in html
+    too_big = logged_in(operator).get("/instances/new/verdict", {"model_path": str(tiny_gguf), "node": NODE,
+                                                                 "extra_args": "--ctx-size 99999999"})
+    assert "needs ~" in too_big.content.decode() and "largest free is" in too_big.content.decode()

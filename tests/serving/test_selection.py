@@ -1,0 +1,93 @@
+"""The backend choice table: every format x GPU type x available-backends case."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from serving.selection import BackendUnavailable, choose_backend
+
+GPU_TYPES = ["NVIDIA", "AMD_CDNA", "AMD_RDNA", "CPU"]
+ALL_BACKENDS = [("vllm", "cuda"), ("vllm", "rocm"), ("llama-server", "cuda"), ("llama-server", "rocm"),
+                ("llama-server", "vulkan"), ("llama-server", "cpu"), ("llama-cpp-python", "cpu")]
+
+
+def entries(pairs) -> list[dict]:
+    return [{"name": n, "flavour": f, "available": True, "version": "0.17.0" if n == "vllm" else "1",
+             "path": f"/opt/{n}", "reason": ""} for n, f in pairs]
+
+
+def expected(fmt: str, gpu: str, have: set) -> tuple[str, str] | None:
+    """The table as the issue states it, written independently of the implementation."""
+    if fmt == "huggingface":
+        want = {"NVIDIA": ("vllm", "cuda"), "AMD_CDNA": ("vllm", "rocm")}.get(gpu)
+        return want if want in have else None
+    order = {
+        "NVIDIA": [("llama-server", "cuda"), ("llama-server", "vulkan")],
+        "AMD_CDNA": [("llama-server", "rocm"), ("llama-server", "vulkan")],
+        "AMD_RDNA": [("llama-server", "vulkan"), ("llama-server", "rocm")],
+        "CPU": [],
+    }[gpu] + [("llama-cpp-python", "cpu"), ("llama-server", "cpu")]
+    return next((p for p in order if p in have), None)
+
+
+SUBSETS = [set(c) for r in range(len(ALL_BACKENDS) + 1) for c in itertools.combinations(ALL_BACKENDS, r)]
+
+
+@pytest.mark.parametrize("fmt", ["gguf", "huggingface"])
+@pytest.mark.parametrize("gpu", GPU_TYPES)
+def test_every_case_of_the_table(fmt, gpu):
+    assert len(SUBSETS) == 2 ** len(ALL_BACKENDS)
+    for have in SUBSETS:
+        want = expected(fmt, gpu, have)
+        if want is None:
+            with pytest.raises(BackendUnavailable) as err:
+                choose_backend(fmt=fmt, gpu_type=gpu, backends=entries(have), node_name="node-a")
+            msg = str(err.value)
+            assert len(msg) > 40, msg
+            if fmt == "huggingface" and gpu in ("AMD_RDNA", "CPU"):
+                assert "GGUF" in msg  # says what would work
+            else:
+                assert "install" in msg and "node-a" in msg
+            continue
+        choice = choose_backend(fmt=fmt, gpu_type=gpu, backends=entries(have), node_name="node-a")
+        assert (choice.backend, choice.flavour) == want, (fmt, gpu, have, choice)
+        assert choice.reason and choice.backend in choice.reason
+
+
+def test_unavailable_backends_are_ignored():
+    backends = entries({("llama-server", "cuda")}) + entries({("llama-cpp-python", "cpu")})
+    backends[0]["available"] = False
+    choice = choose_backend(fmt="gguf", gpu_type="NVIDIA", backends=backends, node_name="n")
+    assert choice.backend == "llama-cpp-python"
+    assert "llama-server (cuda) is not installed on n" in choice.reason and "CPU" in choice.reason
+
+
+def test_impossible_combinations_say_why_and_what_works():
+    full = entries(ALL_BACKENDS)
+    with pytest.raises(BackendUnavailable, match="vLLM does not support AMD RDNA.*GGUF.*Vulkan"):
+        choose_backend(fmt="huggingface", gpu_type="AMD_RDNA", backends=full)
+    with pytest.raises(BackendUnavailable, match="no GPU.*GGUF.*llama-cpp-python"):
+        choose_backend(fmt="huggingface", gpu_type="CPU", backends=full)
+    with pytest.raises(BackendUnavailable, match="vLLM does not support AMD RDNA"):
+        choose_backend(fmt="huggingface", gpu_type="AMD_RDNA", backends=full, requested="vllm")
+
+
+def test_explicit_backend_is_validated():
+    full = entries(ALL_BACKENDS)
+    c = choose_backend(fmt="gguf", gpu_type="AMD_RDNA", backends=full, requested="llama-server")
+    assert (c.backend, c.flavour) == ("llama-server", "vulkan") and "explicitly" in c.reason
+    c = choose_backend(fmt="gguf", gpu_type="NVIDIA", backends=full, requested="llama-cpp-python")
+    assert (c.backend, c.flavour) == ("llama-cpp-python", "cpu")
+    with pytest.raises(BackendUnavailable, match="unknown backend 'tgi'"):
+        choose_backend(fmt="gguf", gpu_type="NVIDIA", backends=full, requested="tgi")
+    with pytest.raises(BackendUnavailable, match="vllm cannot serve a gguf"):
+        choose_backend(fmt="gguf", gpu_type="NVIDIA", backends=full, requested="vllm")
+    with pytest.raises(BackendUnavailable, match="llama-server cannot serve a huggingface"):
+        choose_backend(fmt="huggingface", gpu_type="NVIDIA", backends=full, requested="llama-server")
+    with pytest.raises(BackendUnavailable, match="vllm is not installed on n"):
+        choose_backend(fmt="huggingface", gpu_type="NVIDIA", backends=entries({("llama-cpp-python", "cpu")}),
+                       requested="vllm", node_name="n")
+    with pytest.raises(BackendUnavailable, match="built for rocm"):
+        choose_backend(fmt="huggingface", gpu_type="NVIDIA", backends=entries({("vllm", "rocm")}), requested="vllm")
+    assert choose_backend(fmt="gguf", gpu_type="CPU", backends=full, requested="auto").backend == "llama-cpp-python"
