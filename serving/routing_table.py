@@ -58,9 +58,11 @@ class RoutingSnapshot:
 
 
 def _read_rows() -> tuple[list[dict], set[str]]:
-    """The READY instances on fresh nodes, and the names of all active instances."""
+    """The READY instances on fresh nodes, and the names of all instances active or meant to run."""
+    from django.db.models import Q
+
     from hardware.models import Node
-    from serving.models import ACTIVE_STATES, InstanceState, ModelInstance
+    from serving.models import ACTIVE_STATES, DesiredState, InstanceState, ModelInstance
 
     close_old_connections()
     try:
@@ -71,8 +73,12 @@ def _read_rows() -> tuple[list[dict], set[str]]:
             .values("pk", "model_name", "type", "backend", "port", "node__name", "node__address",
                     "ready_at", "created_at")
         )
+        # Known = some instance holds the name or is meant to run: 503 no_backend while it is
+        # not READY (loading, restarting after a crash, node offline), 404 only for the rest.
         names = set(
-            ModelInstance.objects.filter(state__in=ACTIVE_STATES).values_list("model_name", flat=True).distinct()
+            ModelInstance.objects.filter(Q(state__in=ACTIVE_STATES) | Q(desired_state=DesiredState.RUNNING))
+            .values_list("model_name", flat=True)
+            .distinct()
         )
     finally:
         close_old_connections()

@@ -6,6 +6,7 @@ only validates, writes the row, and nudges the agent of the instance's node.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ from django.db.models import Q
 from django.utils import timezone
 
 from hardware.models import GpuDevice, Node
-from hub.models import ModelArtifact
+from hub.models import CacheEntry, CacheState, ModelArtifact
 from serving import events
 from serving.adapters import InvalidExtraArgs, get_adapter
 from serving.agent import node_group
@@ -192,6 +193,7 @@ class LoadPlan:
     extra_args: dict
     tensor_parallel_size: int
     command: list[str]
+    placement: str = ""
 
 
 def pick_node(name: str | None) -> Node:
@@ -227,12 +229,54 @@ def gpu_rooms(node: Node, *, exclude_instance: int | None = None) -> list[GpuRoo
 def plan_load(*, model_path: str, model_name: str | None = None, server_type: str = "llm",
               backend: str | None = None, node: str | None = None, gpus: list[int] | None = None,
               tensor_parallel_size: int | None = None, extra_args: dict | None = None) -> LoadPlan:
-    """Validate a load and work out backend, GPUs and the command; raises LoadRefused."""
-    from serving.adapters.base import LaunchSpec
+    """Validate a load and work out node, backend, GPUs and the command; raises LoadRefused.
 
+    Without `node`, every online node is planned and the best kept: one that already caches
+    the model first, then the one with the most memory left where the model would run.
+    """
     if server_type not in (InstanceType.LLM, InstanceType.EMBEDDING):
         raise LoadRefused(400, f"server_type must be llm or embedding, not {str(server_type)[:40]!r}")
-    target = pick_node(node)
+    kwargs = dict(model_path=model_path, model_name=model_name, server_type=server_type, backend=backend,
+                  gpus=gpus, tensor_parallel_size=tensor_parallel_size, extra_args=extra_args)
+    if node:
+        return _plan_on(pick_node(node), **kwargs)
+    candidates = list(Node.fresh())
+    if not candidates:
+        raise LoadRefused(409, "no node agent is online to run the model", code="node_offline")
+    if len(candidates) == 1:
+        return _plan_on(candidates[0], **kwargs)
+    plans: list[tuple] = []  # (rank, plan, cached, room)
+    refusals: list[LoadRefused] = []
+    for candidate in candidates:
+        try:
+            plan = _plan_on(candidate, **kwargs)
+        except LoadRefused as exc:
+            if exc.status == 400 and exc.code not in ("backend_unavailable", "does_not_fit"):
+                raise  # a bad request is bad on every node
+            refusals.append(exc)
+            continue
+        cached = plan.source.kind == "prefix" and CacheEntry.objects.filter(
+            node=candidate, prefix=plan.source.model_path, state=CacheState.READY).exists()
+        room = sum(r.free_mib for r in gpu_rooms(candidate) if r.index in plan.gpus) if plan.gpus else \
+            max(0, candidate.memory_total_mib - candidate.memory_used_mib)
+        plans.append(((0 if cached else 1, -room, candidate.name), plan, bool(cached), room))
+    if not plans:
+        worst = max(refusals, key=lambda e: e.status)
+        reasons = "; ".join(f"{e}" for e in refusals)
+        raise LoadRefused(worst.status, f"no online node can run it: {reasons}", code=worst.code)
+    plans.sort(key=lambda item: item[0])
+    _, best, cached, room = plans[0]
+    why = "it already caches the model" if cached else f"it has the most room ({room / 1024:.1f} GiB free)"
+    others = len(plans) - 1
+    placement = f"placed on {best.node.name}: {why}" + (f" ({others} other node(s) could run it)" if others else "")
+    return dataclasses.replace(best, placement=placement)
+
+
+def _plan_on(target: Node, *, model_path: str, model_name: str | None, server_type: str, backend: str | None,
+             gpus: list[int] | None, tensor_parallel_size: int | None, extra_args: dict | None) -> LoadPlan:
+    """The plan for one node; raises LoadRefused."""
+    from serving.adapters.base import LaunchSpec
+
     if not target.detector and not target.backends:
         raise LoadRefused(409, f"node {target.name} has not reported its hardware and backends yet (its agent is "
                                "still starting); try again in a few seconds", code="node_not_ready")
@@ -275,7 +319,7 @@ def plan_load(*, model_path: str, model_name: str | None = None, server_type: st
         executable=choice.path, tensor_parallel_size=tp, extra_args=extra,
     )
     return LoadPlan(source, name, server_type, target, choice, chosen, fit, estimate, extra, tp,
-                    adapter.build_command(spec))
+                    adapter.build_command(spec), placement=f"on {target.name}")
 
 
 # ---------------------------------------------------------------- requests (web side)
@@ -310,7 +354,8 @@ def request_load(*, model_path: str, model_name: str | None = None, server_type:
                                    f"{other.state}); unload it or pick another model_name", code="duplicate_model_name")
         inst = ModelInstance.objects.create(
             model_name=plan.model_name, model_path=plan.source.model_path, artifact=plan.source.artifact,
-            type=plan.server_type, backend=plan.choice.backend, backend_reason=plan.choice.reason,
+            type=plan.server_type, backend=plan.choice.backend,
+            backend_reason=f"{plan.choice.reason} ({plan.placement})",
             node=plan.node, gpus=plan.gpus, tensor_parallel_size=plan.tensor_parallel_size,
             extra_args=plan.extra_args, autostart=autostart, desired_state=DesiredState.RUNNING,
             state=InstanceState.PENDING, state_message="waiting for the node agent",

@@ -37,7 +37,7 @@ def test_load_answers_202_with_the_choice(client: Client, node, operator, tiny_g
     body = r.json()
     assert set(body) == {"id", "model_name", "state", "backend", "backend_reason", "node", "gpus"}
     assert body["state"] == "PENDING" and body["backend"] == "llama-cpp-python" and body["node"] == NODE
-    assert body["gpus"] == [] and "GGUF on CPU-only -> llama-cpp-python (cpu)" == body["backend_reason"]
+    assert body["gpus"] == [] and body["backend_reason"] == "GGUF on CPU-only -> llama-cpp-python (cpu) (on node-t)"
     one = client.get(f"/api/management/instances/{body['id']}", **bearer(operator.key)).json()
     for field in ("state", "error", "port", "pid", "restarts", "ready_at", "log_tail"):
         assert field in one
@@ -110,7 +110,7 @@ def test_gpu_node_places_and_refuses_with_numbers(client, node, operator, tiny_g
     r = post(client, "load", {"model_path": str(tiny_gguf), "model_name": "g"}, operator.key)
     assert r.status_code == 202, r.content
     assert r.json()["gpus"] == [1] and r.json()["backend"] == "llama-server"
-    assert r.json()["backend_reason"] == "GGUF on NVIDIA -> llama-server (cuda)"
+    assert r.json()["backend_reason"] == "GGUF on NVIDIA -> llama-server (cuda) (on node-t)"
     GpuDevice.objects.filter(index=1).update(memory_used_mib=23900)
     e = err(post(client, "load", {"model_path": str(tiny_gguf), "model_name": "h"}, operator.key), 409)
     assert e["code"] == "does_not_fit"
