@@ -8,12 +8,14 @@ with one small GET (the store manifest) instead of a request per file.
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
 import logging
 import os
 import re
+import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -42,6 +44,24 @@ class CacheError(RuntimeError):
 
 class ModelNotInStore(CacheError):
     """The prefix has no complete model (no manifest) in the store."""
+
+
+class CacheFull(CacheError):
+    """Not enough disk space in the node cache for a model."""
+
+
+def _free_bytes(path: Path) -> int:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def _check_room(local_dir: Path, prefix: str, need: int) -> None:
+    """Refuse before transferring a byte when the files to fetch cannot fit on the disk."""
+    free = _free_bytes(local_dir)
+    if need > free:
+        raise CacheFull(f"not enough disk space to cache {prefix}: needs {need / 2**20:.1f} MiB, "
+                        f"{free / 2**20:.1f} MiB free in {local_dir.parent}")
 
 
 class CacheCorrupt(CacheError):
@@ -302,6 +322,11 @@ def sync_to_cache(
         if verify:
             local = None
         fetch, keep = _plan(manifest, local_dir, local)
+        try:
+            _check_room(local_dir, prefix, sum(f.size for f in fetch))
+        except CacheFull as exc:
+            _safe_record(node_name, prefix, state="FAILED", bytes_done=0, bytes_total=total, error=str(exc))
+            raise
         stats.files_kept = len(keep)
         done = sum(f.size for f in keep)
         lock = threading.Lock()
@@ -337,6 +362,10 @@ def sync_to_cache(
                     wait(futures)
                 errors = [fut.exception() for fut in futures if fut.exception() and not isinstance(fut.exception(), _Cancelled)]
                 if errors:
+                    if isinstance(errors[0], OSError) and errors[0].errno == errno.ENOSPC:
+                        raise CacheFull(f"the cache disk filled up while copying {prefix}: "
+                                        f"{_free_bytes(local_dir) / 2**20:.1f} MiB free in {local_dir.parent}; "
+                                        "partial files were removed") from errors[0]
                     raise errors[0]
                 stats.files_fetched = len(fetch)
                 stats.bytes_fetched = sum(f.size for f in fetch)
