@@ -15,6 +15,7 @@ from hardware.models import GpuDevice, Node
 from hub.models import ModelArtifact
 from serving.events import instances_context, timeline_events
 from serving.forms import ExtraArgsError, LoadForm, parse_extra_args
+from serving.metrics import usage_summary
 from serving.models import InstanceState, ModelInstance
 from serving.services import LoadRefused, gpu_rooms, plan_load, request_load, request_restart, request_unload
 from serving.supervisor import current_log, previous_log
@@ -129,6 +130,7 @@ def instance_detail(request: HttpRequest, pk: int) -> HttpResponse:
         "inst": inst, "events": evs, "version": evs[-1].pk if evs else 0, "log_lines": lines, "log_offset": offset,
         "can_operate": _can_operate(request),
         "has_previous": previous_log(inst.pk).exists(), "api_base": base,
+        "usage": usage_summary(instance_id=inst.pk),
     }
     if request.htmx:  # the websocket (re)connected: catch up on what happened before it
         return render(request, "serving/partials/_instance_live.html", ctx)

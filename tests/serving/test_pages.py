@@ -153,3 +153,18 @@ def test_verdict_on_a_gpu_node_lists_gpus_and_keeps_the_choice(node, operator, t
     too_big = logged_in(operator).get("/instances/new/verdict", {"model_path": str(tiny_gguf), "node": NODE,
                                                                  "extra_args": "--ctx-size 99999999"})
     assert "needs ~" in too_big.content.decode() and "largest free is" in too_big.content.decode()
+
+
+@pytest.mark.django_db
+def test_instance_page_shows_proxy_usage(node, viewer, operator, tiny_gguf):
+    from serving import metrics
+    from serving.services import request_load
+
+    inst = request_load(model_path=str(tiny_gguf), model_name="usage-demo", user=operator.user)
+    page = logged_in(viewer).get(f"/instances/{inst.pk}/").content.decode()
+    assert 'id="usage"' in page and "No requests through the proxy yet" in page
+    metrics.record(model="usage-demo", instance_id=inst.pk, status=200, duration_s=0.05, first_byte_s=0.01,
+                   prompt_tokens=11, completion_tokens=7)
+    page = logged_in(viewer).get(f"/instances/{inst.pk}/").content.decode()
+    usage = page[page.index('id="usage"'):page.index("</section>", page.index('id="usage"'))]
+    assert "usage-demo" in usage and ">11<" in usage and ">7<" in usage
