@@ -14,7 +14,6 @@ import asyncio
 import json
 import logging
 import re
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -28,7 +27,7 @@ from django.contrib.auth.signals import user_logged_out
 
 from serving import metrics
 from serving.routing_table import Backend, routing_table
-from xgenconsole.auth import Principal, alookup_key, key_cache
+from xgenconsole.auth import Principal, PrincipalCache, alookup_key, key_cache
 from xgenconsole.errors import error_body
 from xgenconsole.models import hash_key
 
@@ -112,31 +111,8 @@ async def shutdown_proxy() -> None:
 
 
 # ---------------------------------------------------------------- auth
-class SessionCache:
-    """Session key -> Principal for a few seconds, so the playground skips the database."""
-
-    def __init__(self) -> None:
-        self._entries: dict[str, tuple[float, Principal | None]] = {}
-        self._lock = threading.Lock()
-
-    def get(self, key: str) -> tuple[bool, Principal | None]:
-        entry = self._entries.get(key)
-        if entry is None or entry[0] < time.monotonic():
-            return False, None
-        return True, entry[1]
-
-    def put(self, key: str, principal: Principal | None) -> None:
-        with self._lock:
-            if len(self._entries) > 10_000:
-                self._entries.clear()
-            self._entries[key] = (time.monotonic() + SESSION_CACHE_S, principal)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._entries.clear()
-
-
-session_cache = SessionCache()
+# Session key -> Principal: the playground and other browser calls skip the database.
+session_cache = PrincipalCache(SESSION_CACHE_S)
 
 
 def _forget_sessions(**kwargs) -> None:

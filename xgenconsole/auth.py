@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from asgiref.sync import sync_to_async
@@ -43,13 +44,15 @@ class Principal:
         return ROLE_RANK[Role(self.role)] >= ROLE_RANK[Role(needed)]
 
 
-class KeyCache:
-    """Key hash -> Principal for a few seconds, so the proxy skips the database per request.
+class PrincipalCache:
+    """Credential (key hash, session key) -> Principal for a few seconds, so hot paths skip
+    the database. Clearing takes effect at once in this process; others see it within the TTL.
 
-    Revocation in this process clears it at once; other processes see it within the TTL.
+    `ttl_s` is a number or a callable read at each put (so settings changes apply).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, ttl_s: float | Callable[[], float]) -> None:
+        self._ttl = ttl_s
         self._entries: dict[str, tuple[float, Principal | None]] = {}
         self._lock = threading.Lock()
 
@@ -57,23 +60,23 @@ class KeyCache:
         with self._lock:
             self._entries.clear()
 
-    def get(self, digest: str) -> tuple[bool, Principal | None]:
-        entry = self._entries.get(digest)
+    def get(self, credential: str) -> tuple[bool, Principal | None]:
+        entry = self._entries.get(credential)
         if entry is None or entry[0] < time.monotonic():
             return False, None
         return True, entry[1]
 
-    def put(self, digest: str, principal: Principal | None) -> None:
-        ttl = settings.API_KEY_CACHE_S
+    def put(self, credential: str, principal: Principal | None) -> None:
+        ttl = self._ttl() if callable(self._ttl) else self._ttl
         if ttl <= 0:
             return
         with self._lock:
             if len(self._entries) > 10_000:
                 self._entries.clear()
-            self._entries[digest] = (time.monotonic() + ttl, principal)
+            self._entries[credential] = (time.monotonic() + ttl, principal)
 
 
-key_cache = KeyCache()
+key_cache = PrincipalCache(lambda: settings.API_KEY_CACHE_S)
 
 
 def lookup_key(raw: str) -> Principal | None:

@@ -156,13 +156,8 @@ def sse_lines() -> Callable[[httpx.Response], Iterator[str]]:
 
 
 # ---------------------------------------------------------------- an echo backend
-class EchoBackend:
-    """A tiny OpenAI-shaped HTTP server (aiohttp, in a thread) that reports what it received.
-
-    POST /v1/chat/completions answers JSON with the request's headers and a fixed usage;
-    with "stream": true an SSE stream whose last chunk carries usage. POST /v1/completions
-    drops the connection without answering; POST /v1/embeddings breaks off halfway through its JSON.
-    """
+class AiohttpBackend:
+    """An aiohttp app on a free loopback port, served from its own thread; subclasses add routes."""
 
     def __init__(self) -> None:
         import asyncio
@@ -170,12 +165,47 @@ class EchoBackend:
 
         self.port = free_port()
         self._loop = asyncio.new_event_loop()
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+        ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(ready,), daemon=True)
         self._thread.start()
-        assert self._ready.wait(10)
+        assert ready.wait(10)
 
-    def _run(self) -> None:
+    def add_routes(self, app) -> None:
+        raise NotImplementedError
+
+    def _run(self, ready) -> None:
+        import asyncio
+
+        from aiohttp import web
+
+        async def main() -> None:
+            app = web.Application()
+            self.add_routes(app)
+            self._runner = web.AppRunner(app, access_log=None)
+            await self._runner.setup()
+            await web.TCPSite(self._runner, "127.0.0.1", self.port, backlog=1024).start()
+            ready.set()
+
+        asyncio.set_event_loop(self._loop)
+        self._loop.run_until_complete(main())
+        self._loop.run_forever()
+        self._loop.run_until_complete(self._runner.cleanup())
+        self._loop.close()
+
+    def stop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+
+class EchoBackend(AiohttpBackend):
+    """A tiny OpenAI-shaped HTTP server that reports what it received.
+
+    POST /v1/chat/completions answers JSON with the request's headers and a fixed usage;
+    with "stream": true an SSE stream whose last chunk carries usage. POST /v1/completions
+    drops the connection without answering; POST /v1/embeddings breaks off halfway through its JSON.
+    """
+
+    def add_routes(self, app) -> None:
         import asyncio
 
         from aiohttp import web
@@ -212,25 +242,9 @@ class EchoBackend:
             request.transport.close()  # dies halfway through the JSON
             return response
 
-        async def main() -> None:
-            app = web.Application()
-            app.router.add_post("/v1/embeddings", cut)
-            app.router.add_post("/v1/chat/completions", chat)
-            app.router.add_post("/v1/completions", drop)
-            self._runner = web.AppRunner(app, access_log=None)
-            await self._runner.setup()
-            await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
-            self._ready.set()
-
-        asyncio.set_event_loop(self._loop)
-        self._loop.run_until_complete(main())
-        self._loop.run_forever()
-        self._loop.run_until_complete(self._runner.cleanup())
-        self._loop.close()
-
-    def stop(self) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
+        app.router.add_post("/v1/embeddings", cut)
+        app.router.add_post("/v1/chat/completions", chat)
+        app.router.add_post("/v1/completions", drop)
 
 
 @pytest.fixture(scope="module")

@@ -7,14 +7,13 @@ import asyncio
 import json
 import random
 import re
-import threading
 import time
 from collections import Counter
 
 import httpx
 import pytest
 
-from tests.procs import free_port
+from tests.proxy.conftest import AiohttpBackend
 
 TOTAL = 2000
 CONCURRENCY = 64
@@ -22,19 +21,11 @@ STREAM_SHARE = 0.5
 LEAVE_SHARE = 0.2  # of streams: a tenth of all requests
 
 
-class SlowStreamBackend:
-    """An OpenAI-shaped upstream (aiohttp in a thread): JSON answers, and SSE streams of 20 chunks
-    5 ms apart, so a client can leave while the stream is still being produced."""
+class SlowStreamBackend(AiohttpBackend):
+    """An OpenAI-shaped upstream: JSON answers, and SSE streams of 20 chunks 5 ms apart, so a
+    client can leave while the stream is still being produced."""
 
-    def __init__(self) -> None:
-        self.port = free_port()
-        self._loop = asyncio.new_event_loop()
-        ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(ready,), daemon=True)
-        self._thread.start()
-        assert ready.wait(10)
-
-    def _run(self, ready: threading.Event) -> None:
+    def add_routes(self, app) -> None:
         from aiohttp import web
 
         async def chat(request: web.Request) -> web.StreamResponse:
@@ -54,23 +45,7 @@ class SlowStreamBackend:
             await response.write_eof()
             return response
 
-        async def main() -> None:
-            app = web.Application()
-            app.router.add_post("/v1/chat/completions", chat)
-            self._runner = web.AppRunner(app, access_log=None)
-            await self._runner.setup()
-            await web.TCPSite(self._runner, "127.0.0.1", self.port, backlog=1024).start()
-            ready.set()
-
-        asyncio.set_event_loop(self._loop)
-        self._loop.run_until_complete(main())
-        self._loop.run_forever()
-        self._loop.run_until_complete(self._runner.cleanup())
-        self._loop.close()
-
-    def stop(self) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
+        app.router.add_post("/v1/chat/completions", chat)
 
 
 @pytest.fixture(scope="module")

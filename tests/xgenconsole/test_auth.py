@@ -1,36 +1,15 @@
 """Login, roles and API auth across the project's own routes."""
 import pytest
-from django.urls import URLPattern, URLResolver, get_resolver, reverse
+from django.urls import reverse
 
 from tests.conftest import bearer
+from tests.security.routes import PUBLIC_PAGES, page_routes
 from xgenconsole.auth import key_cache
-
-
-def _page_paths() -> list[str]:
-    """Every page route (not API), with sample arguments filled in."""
-    paths = []
-
-    def walk(patterns, prefix=""):
-        for p in patterns:
-            if isinstance(p, URLResolver):
-                walk(p.url_patterns, prefix + str(p.pattern))
-            elif isinstance(p, URLPattern):
-                route = prefix + str(p.pattern)
-                if route.startswith(("api/", "^api/")) or route in ("healthz", "readyz", "accounts/login/"):
-                    continue
-                route = route.replace("<int:user_id>", "1").replace("<int:key_id>", "1").replace("<int:pk>", "1")
-                route = route.replace("<str:name>", "n").replace("<path:prefix>", "gguf/x")
-                if "<" in route or "^" in route:
-                    raise AssertionError(f"add a sample argument for {route}")
-                paths.append("/" + route)
-
-    walk(get_resolver().url_patterns)
-    return paths
 
 
 @pytest.mark.django_db
 def test_every_page_redirects_anonymous_users_to_login(client):
-    paths = _page_paths()
+    paths = [path for path, _role in page_routes() if path not in PUBLIC_PAGES]
     assert "/models/" in paths and "/keys/" in paths
     for path in paths:
         response = client.get(path)
