@@ -105,6 +105,61 @@ def pid_alive(pid: int) -> bool:
     return state is not None and state != "Z"
 
 
+def _listening_inodes(port: int) -> set[str]:
+    """Socket inodes listening on `port` (any address) in this network namespace."""
+    inodes: set[str] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            cols = row.split()
+            if len(cols) > 9 and cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(cols[9])
+    return inodes
+
+
+def _group_pids(pgid: int) -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                raw = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            fields = raw[raw.rfind(")") + 2 :].split()
+            if len(fields) > 2 and fields[2] == str(pgid):
+                pids.append(int(entry))
+    return pids
+
+
+def listener_is_ours(pgid: int | None, port: int) -> bool:
+    """Whether the socket listening on `port` belongs to a process of group `pgid`.
+
+    A health answer alone can come from another process that holds the port (two agents on
+    one host racing for it, a backend left over); readiness needs the listener to be ours.
+    """
+    if pgid is None:
+        return False
+    inodes = _listening_inodes(port)
+    if not inodes:
+        return False
+    for pid in _group_pids(pgid):
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if link.startswith("socket:[") and link[8:-1] in inodes:
+                return True
+    return False
+
+
 def bind_host(node_address: str) -> str:
     """Backends listen only where web processes reach them (the node's address), never on every interface."""
     return "127.0.0.1" if node_address in ("", "localhost") else node_address
@@ -347,8 +402,10 @@ class Supervisor(AgentWorker):
                 choice = choose_backend(fmt="gguf" if inst.backend != "vllm" else "huggingface", gpu_type=gpu_type,
                                         backends=node.backends, requested=inst.backend, node_name=node.name)
                 version, flavour, executable = choice.version, choice.flavour, choice.path
+        # Ports of every node on this address count: several agents may share one host.
         taken = set(await _db(lambda: list(ModelInstance.objects.filter(
-            node=node, state__in=ACTIVE_STATES, port__isnull=False).exclude(pk=inst.pk).values_list("port", flat=True)))())
+            node__address=node.address, state__in=ACTIVE_STATES, port__isnull=False,
+        ).exclude(pk=inst.pk).values_list("port", flat=True)))())
         taken |= {r.port for pk, r in self.runs.items() if pk != inst.pk and r.port}
         try:
             port = pick_port(taken=taken, prefer=inst.port)
@@ -453,7 +510,7 @@ class Supervisor(AgentWorker):
                 return "exited"
             try:
                 r = await self.http.get(url, timeout=2.0)
-                if r.status_code == 200:
+                if r.status_code == 200 and await asyncio.to_thread(listener_is_ours, run.pgid, run.port):
                     return "ok"
             except httpx.HTTPError:
                 pass
@@ -590,7 +647,7 @@ class Supervisor(AgentWorker):
                 try:
                     host = url_host(bind_host(inst.node.address))
                     r = await self.http.get(f"http://{host}:{inst.port}{adapter.health_path}", timeout=3.0)
-                    healthy = r.status_code == 200
+                    healthy = r.status_code == 200 and await asyncio.to_thread(listener_is_ours, pgid, inst.port)
                 except httpx.HTTPError:
                     healthy = False
             if healthy:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import pytest
 
 pytestmark = pytest.mark.cluster
@@ -50,6 +51,10 @@ def test_loads_on_both_nodes_and_requests_cross_web_processes(cluster, tiny_gguf
     ready_a = _wait_state(cluster, "b", on_a["id"], "READY")
     ready_b = _wait_state(cluster, "a", on_b["id"], "READY")
     assert ready_a["port"] and ready_b["port"]
+    # Both agents share this host: each instance's port must be served by its own backend.
+    for inst in (ready_a, ready_b):
+        listing = httpx.get(f"http://127.0.0.1:{inst['port']}/v1/models", timeout=10).json()
+        assert [m["id"] for m in listing["data"]] == [inst["model_name"]], (inst["port"], listing)
     # Web A reaches node B's backend and web B reaches node A's (the table refreshes within ~1 s).
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and (_chat(cluster, "a", "tiny-on-b") != 200 or _chat(cluster, "b", "tiny-on-a") != 200):

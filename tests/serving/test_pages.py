@@ -156,9 +156,11 @@ def test_verdict_on_a_gpu_node_lists_gpus_and_keeps_the_choice(node, operator, t
 
 
 @pytest.mark.django_db
-def test_instance_page_shows_proxy_usage(node, viewer, operator, tiny_gguf):
+def test_instance_page_shows_proxy_usage(node, viewer, operator, tiny_gguf, monkeypatch):
     from serving import metrics
     from serving.services import request_load
+
+    monkeypatch.setattr(metrics, "_usage", {})  # usage is per process; ids repeat across test databases
 
     inst = request_load(model_path=str(tiny_gguf), model_name="usage-demo", user=operator.user)
     page = logged_in(viewer).get(f"/instances/{inst.pk}/").content.decode()

@@ -1,6 +1,7 @@
 """The supervisor with real llama-cpp-python backends on the tiny GGUF, driven in-process."""
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import time
@@ -9,7 +10,7 @@ import httpx
 import pytest
 from asgiref.sync import sync_to_async
 
-from serving.models import InstanceState
+from serving.models import InstanceState, ModelInstance
 from serving.placement import port_bindable
 from tests.procs import children_of
 from tests.serving.conftest import backend_pids, wait_state
@@ -41,7 +42,12 @@ async def test_load_chat_unload_leaves_nothing(agent, tiny_gguf):
                               json={"model": "tiny-chat", "messages": [{"role": "user", "content": "hello"}],
                                     "max_tokens": 4})
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["role"] == "assistant"
-    assert inst.log_tail, "the log tail is written while loading"
+    # The tail is saved on a 0.5 s cadence, so it may land just after READY.
+    deadline = time.monotonic() + 10
+    while not inst.log_tail and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+        inst = await sync_to_async(ModelInstance.objects.get)(pk=inst.pk)
+    assert inst.log_tail, "the log tail is saved"
     pid, port = inst.pid, inst.port
 
     from serving.services import request_unload
