@@ -149,6 +149,8 @@ class BackendAdapter:
                 return float(text)
             except ValueError:
                 raise InvalidExtraArgs(f"{flag} needs a number, got {text[:40]!r}") from None
+        if text.lstrip().startswith("-"):
+            raise InvalidExtraArgs(f"the value of {flag} may not start with '-' (it would read as another flag)")
         if kind.startswith("choice:"):
             choices = kind.split(":", 1)[1].split("|")
             if text not in choices:
