@@ -1,6 +1,7 @@
 """A backend killed with -9 in the middle of a streamed answer, behind a real console."""
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import signal
@@ -69,3 +70,36 @@ def test_backend_killed_mid_stream_ends_the_stream_and_is_restarted(tmp_path, ti
           f"{recovered_s:.2f} s")
     assert c.stop() == 0
     assert serve_backends(c.console.data_dir) == []
+
+
+def test_backend_killed_during_a_whole_answer_is_a_502_then_ready_again(tmp_path, tiny_gguf, consoles):
+    c = open_console(tmp_path / "console", server="daphne")
+    consoles.append(c)
+    r = c.post("/api/management/load", {"model_path": str(tiny_gguf), "model_name": "tiny-kill-json",
+                                        "extra_args": {"--n_ctx": 4096}})
+    assert r.status_code == 202, r.text
+    iid = r.json()["id"]
+    first = c.wait_instance(iid, lambda b: b["state"] in ("READY", "ERROR"))
+    assert first["state"] == "READY", first
+    body = {"model": "tiny-kill-json", "max_tokens": 2000, "grammar": ENDLESS,
+            "messages": [{"role": "user", "content": "tell me a long story"}]}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(httpx.post, f"{c.url}/v1/chat/completions", headers=c.auth, json=body, timeout=30)
+        deadline = time.monotonic() + 10
+        while True:  # the proxy's own count says when the request is at the backend
+            listing = httpx.get(f"{c.url}/v1/models", headers=c.auth, timeout=5).json()["data"]
+            if listing and listing[0]["instances"][0]["in_flight"] == 1:
+                break
+            assert time.monotonic() < deadline and not answer.done(), "the request never reached the backend"
+            time.sleep(0.02)
+        os.kill(first["pid"], signal.SIGKILL)
+        resp = answer.result()
+    assert resp.status_code == 502, resp.text
+    err = resp.json()["error"]
+    assert err["code"] in ("upstream_error", "upstream_unreachable") and err["message"], err
+    again = c.wait_instance(iid, lambda b: b["state"] == "READY" and b["restarts"] >= 1, timeout=60)
+    assert again["restarts"] == 1 and serve_backends(c.console.data_dir) == [again["pid"]]
+    chat = c.post("/v1/chat/completions", {"model": "tiny-kill-json", "max_tokens": 2,
+                                           "messages": [{"role": "user", "content": "hi"}]})
+    assert chat.status_code == 200, chat.text
+    assert c.stop() == 0
