@@ -405,6 +405,9 @@ class UpstreamReply:
             if partial:
                 yield partial  # a last event without its blank line: the backend's own framing
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            if sse and not partial and tail.rstrip().endswith(b"data: [DONE]"):
+                clean = True  # cut after its last event: the answer is whole, the lost framing is not news
+                return
             log.warning("backend %s broke off request %s: %s", self.backend.base_url, self.request_id, exc)
             self.finish(error="upstream_broken")
             if sse:

@@ -17,9 +17,11 @@ EVENT = b'data: {"id": "c1", "object": "chat.completion.chunk", "choices": [{"in
 
 
 class CuttingBackend:
-    """Answers any request with an SSE stream: one whole event, half of the next, then a closed socket."""
+    """Answers any request with an SSE stream (`payload`: by default one whole event and half of
+    the next), then closes the socket without ending the chunked body."""
 
     def __init__(self) -> None:
+        self.payload = EVENT + EVENT[:40]
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.thread = threading.Thread(target=self._serve, daemon=True)
@@ -40,7 +42,7 @@ class CuttingBackend:
                                if line.lower().startswith(b"content-length:")), 0)
                 while len(body) < length:
                     body += conn.recv(65536)
-                payload = EVENT + EVENT[:40]
+                payload = self.payload
                 conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
                              + f"{len(payload):x}\r\n".encode() + payload + b"\r\n")
 
@@ -72,4 +74,21 @@ def test_a_stream_cut_mid_event_still_ends_with_a_whole_error_event(tmp_path, co
     assert events[0] == EVENT.decode().strip()
     error = json.loads(events[-1].removeprefix("data: "))  # an event of its own, not glued to the cut one
     assert error["error"]["code"] == "upstream_error", events
+    assert c.stop() == 0
+
+
+def test_a_stream_cut_after_done_is_complete_without_an_error_event(tmp_path, consoles, cutting_backend):
+    cutting_backend.payload = EVENT + b"data: [DONE]\n\n"
+    c = open_console(tmp_path / "console", extra_env={"XGEN_NODE_STALE_AFTER": "3600",
+                                                      "XGEN_NODE_OFFLINE_AFTER": "7200"})
+    consoles.append(c)
+    rows = ProxyConsole(console=c.console, key=c.key)
+    rows.set_instances([{"name": "cut", "port": cutting_backend.port}])
+    rows.wait_models({"cut"})
+    body = {"model": "cut", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    with httpx.stream("POST", f"{c.url}/v1/chat/completions", headers=c.auth, json=body, timeout=30) as r:
+        assert r.status_code == 200
+        text = r.read().decode()
+    events = [e for e in text.split("\n\n") if e.strip()]
+    assert events == [EVENT.decode().strip(), "data: [DONE]"], events  # the answer was whole: no error after it
     assert c.stop() == 0
