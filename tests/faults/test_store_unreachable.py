@@ -67,3 +67,29 @@ def test_store_vanishing_mid_copy_is_an_error_and_a_restart_recovers(tmp_path, t
     assert chat.status_code == 200, chat.text
     print(f"\nstore loss noticed after {noticed_s:.2f} s; READY {recovered_s:.2f} s after the restart request")
     assert c.stop() == 0
+
+
+def test_store_going_silent_mid_copy_is_an_error_within_the_store_timeout(tmp_path, tiny_gguf, s3, faulty_store,
+                                                                         consoles):
+    """A store that stops answering (a network partition, not a refused connection) must not leave
+    the instance CACHING for minutes: the transfer times out after XGEN_STORE_TIMEOUT."""
+    put_in_store(s3, PREFIX, tiny_gguf)
+    data = tmp_path / "console"
+    c = open_console(data, extra_env={**minio_env(faulty_store, s3), "XGEN_STORE_TIMEOUT": "2"})
+    consoles.append(c)
+    faulty_store.hold("tiny-llama.gguf", after_bytes=128 * 1024)  # and never released: silence
+    r = c.post("/api/management/load", {"model_path": PREFIX, "model_name": "tiny-silent"})
+    assert r.status_code == 202, r.text
+    iid = r.json()["id"]
+    assert faulty_store.holding.wait(60), "the copy never reached the model file"
+    failed = c.wait_instance(iid, lambda b: b["state"] not in ("CACHING", "PENDING"), timeout=60)
+    assert failed["state"] == "ERROR", failed
+    assert f"s3://{faulty_store.endpoint}/xgen-faults" in failed["state_message"], failed["state_message"]
+    assert "timed out" in failed["state_message"].lower(), failed["state_message"]
+    files = _cache_files(data)
+    assert ".xgen-cache.json" not in files and not any(f.endswith(".part") for f in files), files
+    faulty_store.release()
+    r = c.post("/api/management/restart", {"id": iid})
+    assert r.status_code == 202, r.text
+    assert c.wait_instance(iid, lambda b: b["state"] in ("READY", "ERROR"), timeout=60)["state"] == "READY"
+    assert c.stop() == 0
