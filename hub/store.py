@@ -313,7 +313,7 @@ class MinioModelStore(ModelStore):
         pool = max(10, 2 * (max_connections or settings.CACHE_SYNC_WORKERS))
         http = urllib3.PoolManager(
             maxsize=pool,
-            timeout=urllib3.Timeout(connect=5, read=120),
+            timeout=urllib3.Timeout(connect=min(5, settings.STORE_TIMEOUT_S), read=settings.STORE_TIMEOUT_S),
             retries=urllib3.Retry(total=2, backoff_factor=0.2, status_forcelist=[500, 502, 503, 504]),
         )
         self.client = Minio(endpoint, access_key=access_key or None, secret_key=secret_key or None,

@@ -358,16 +358,32 @@ class UpstreamReply:
         return body
 
     async def chunks(self) -> AsyncIterator[bytes]:
-        """The body as the backend sends it; an SSE stream that breaks ends with an error event."""
+        """The body as the backend sends it; an SSE stream that breaks ends with an error event.
+
+        An SSE stream goes out in whole events: bytes after the last event boundary wait for the
+        rest of their event, so a stream cut mid-event never glues its error event to half an event.
+        """
         tail = b""
         sse = self.is_sse
         clean = False
+        partial = b""
         try:
             async for chunk in self.response.content.iter_any():
                 tail = chunk[-USAGE_TAIL:] if len(chunk) >= USAGE_TAIL else (tail + chunk)[-USAGE_TAIL:]
+                if sse:
+                    chunk = partial + chunk
+                    end = _event_end(chunk)
+                    chunk, partial = chunk[:end], chunk[end:]
+                    if not chunk:
+                        continue
                 yield chunk
             clean = True
+            if partial:
+                yield partial  # a last event without its blank line: the backend's own framing
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            if sse and not partial and tail.rstrip().endswith(b"data: [DONE]"):
+                clean = True  # cut after its last event: the answer is whole, the lost framing is not news
+                return
             log.warning("backend %s broke off request %s: %s", self.backend.base_url, self.request_id, exc)
             self.finish(error="upstream_broken")
             if sse:
@@ -405,6 +421,12 @@ class UpstreamReply:
     def abort(self) -> None:
         """Close the upstream connection now (the client went away)."""
         self.finish(cancelled=True)
+
+
+def _event_end(data: bytes) -> int:
+    """Where the last complete SSE event in `data` ends (0 when none does)."""
+    lf, crlf = data.rfind(b"\n\n"), data.rfind(b"\r\n\r\n")
+    return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
 
 
 def forward_headers(raw: list[tuple[bytes, bytes]], request_id: str) -> list[tuple[str, str]]:

@@ -629,8 +629,18 @@ class Supervisor(AgentWorker):
     def _recorded(self) -> list[ModelInstance]:
         return list(ModelInstance.objects.select_related("node").filter(node__name=self.agent.name, pid__isnull=False))
 
+    def _interrupted(self) -> list[ModelInstance]:
+        return list(ModelInstance.objects.filter(
+            node__name=self.agent.name, pid__isnull=True, desired_state=DesiredState.RUNNING,
+            state__in=(InstanceState.CACHING, InstanceState.LOADING, InstanceState.WARMING)))
+
     async def adopt_or_stop_orphans(self) -> None:
-        """Backends a previous agent started: adopt the healthy ones, stop the rest."""
+        """Backends a previous agent started: adopt the healthy ones, stop the rest. Loads it left
+        half done with no process (a copy into the cache) go back to PENDING, saying why."""
+        for inst in await _db(self._interrupted)():
+            await db_transition(inst.pk, InstanceState.PENDING,
+                                f"the node agent restarted while {inst.state}; starting the load again",
+                                progress_pct=None)
         for inst in await _db(self._recorded)():
             pid, pgid = inst.pid, inst.pgid or inst.pid
             cmd = proc_cmdline(pid) if pid_alive(pid) else []

@@ -51,6 +51,7 @@ MINIO_ACCESS_KEY = env_secret("MINIO_ACCESS_KEY")
 MINIO_SECRET_KEY = env_secret("MINIO_SECRET_KEY")
 MINIO_BUCKET = env_str("MINIO_BUCKET", "xgen-models")
 MINIO_SECURE = env_bool("MINIO_SECURE", False)
+STORE_TIMEOUT_S = env_int("XGEN_STORE_TIMEOUT", 120, minimum=1, maximum=3600)
 CACHE_SYNC_WORKERS = env_int("XGEN_CACHE_SYNC_WORKERS", 8, minimum=1, maximum=64)
 DEMO_MODEL = env_bool("XGEN_DEMO_MODEL", True)
 
