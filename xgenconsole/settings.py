@@ -163,5 +163,7 @@ LOGGING = {
         # Every refused API call would otherwise be a WARNING line.
         "django.request": {"level": "ERROR"},
         "daphne": {"level": "WARNING"},
+        # One line per health poll and warm-up request otherwise.
+        "httpx": {"level": "WARNING"},
     },
 }
