@@ -1,11 +1,9 @@
-import threading
 from collections.abc import Iterator
-from http.server import ThreadingHTTPServer
 
 import pytest
 
 from tests.cluster.harness import Cluster, create_cluster, destroy_cluster, services_available
-from tests.hub.conftest import CountingProxy, _proxy_handler
+from tests.hub.conftest import CountingProxy
 
 pytestmark = pytest.mark.cluster
 
@@ -18,12 +16,7 @@ def cluster(tmp_path_factory, s3_server) -> Iterator[Cluster]:
     if missing:
         pytest.fail(f"cluster tests need PostgreSQL and Redis on loopback (.ci/run starts them): {missing}")
     s3_server.reset()
-    ref: list = []
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _proxy_handler(ref))
-    server.daemon_threads = True
-    counter = CountingProxy(server=server, target=(s3_server.host, s3_server.port))
-    ref.append(counter)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    counter = CountingProxy.start(s3_server.host, s3_server.port)
     c = create_cluster(tmp_path_factory.mktemp("cluster"), s3_endpoint=counter.endpoint,
                        s3_access=s3_server.access_key, s3_secret=s3_server.secret_key)
     c.s3_counter = counter
@@ -36,5 +29,4 @@ def cluster(tmp_path_factory, s3_server) -> Iterator[Cluster]:
         yield c
     finally:
         destroy_cluster(c)
-        server.shutdown()
-        server.server_close()
+        counter.stop()

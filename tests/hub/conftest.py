@@ -68,6 +68,21 @@ class CountingProxy:
         with self.lock:
             self.counts.clear()
 
+    @classmethod
+    def start(cls, host: str, port: int) -> CountingProxy:
+        """A forwarder to host:port on its own loopback port, serving from a daemon thread."""
+        ref: list = []
+        server = ThreadingHTTPServer(("127.0.0.1", 0), _proxy_handler(ref))
+        server.daemon_threads = True
+        proxy = cls(server=server, target=(host, port))
+        ref.append(proxy)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        return proxy
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
 
 def _proxy_handler(proxy_ref: list) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
@@ -110,16 +125,9 @@ def _proxy_handler(proxy_ref: list) -> type[BaseHTTPRequestHandler]:
 @pytest.fixture
 def counting_s3(s3: S3Endpoint) -> Iterator[CountingProxy]:
     """The S3 endpoint behind a counting proxy on its own loopback port."""
-    ref: list = []
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _proxy_handler(ref))
-    server.daemon_threads = True
-    proxy = CountingProxy(server=server, target=(s3.host, s3.port))
-    ref.append(proxy)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
+    proxy = CountingProxy.start(s3.host, s3.port)
     yield proxy
-    server.shutdown()
-    server.server_close()
+    proxy.stop()
 
 
 def make_model_dir(root: Path, files: dict[str, bytes]) -> Path:
