@@ -186,6 +186,22 @@ class Console:
         return (self.data_dir / "serve.log").read_text(errors="replace")
 
 
+@dataclass
+class KeyedConsole:
+    """A running console and an API key to call it with."""
+
+    console: Console
+    key: str
+
+    @property
+    def url(self) -> str:
+        return self.console.url
+
+    @property
+    def auth(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.key}"}
+
+
 def start_console(data_dir: Path, *, extra_env: dict | None = None, server: str = "daphne") -> Console:
     """Migrate a fresh data dir, create an admin, and run `manage.py serve` on a free port."""
     data_dir.mkdir(parents=True, exist_ok=True)

@@ -16,8 +16,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import Console, S3Endpoint, start_console
+from tests.conftest import S3Endpoint, start_console
 from tests.procs import stop_process
+from tests.proxy.conftest import ProxyConsole
 from tests.serving.conftest import LLAMA_CPP_PYTHON, backend_pids
 
 ENV = {"XGEN_RESTART_BACKOFF": "0", "XGEN_RECONCILE_INTERVAL": "1", "XGEN_STOP_GRACE": "5",
@@ -156,20 +157,8 @@ def put_in_store(s3: S3Endpoint, prefix: str, local: Path) -> None:
 
 
 # ---------------------------------------------------------------- a console under test
-@dataclass
-class FaultConsole:
+class FaultConsole(ProxyConsole):
     """A real `manage.py serve` (web + agent) with an admin key, and what the test asks of it."""
-
-    console: Console
-    key: str
-
-    @property
-    def url(self) -> str:
-        return self.console.url
-
-    @property
-    def auth(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.key}"}
 
     def post(self, path: str, body: dict) -> httpx.Response:
         return httpx.post(f"{self.url}{path}", headers=self.auth, json=body, timeout=30)

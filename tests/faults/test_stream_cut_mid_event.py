@@ -11,7 +11,6 @@ import httpx
 import pytest
 
 from tests.faults.conftest import open_console
-from tests.proxy.conftest import ProxyConsole
 
 EVENT = b'data: {"id": "c1", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": "a"}}]}\n\n'
 
@@ -58,19 +57,23 @@ def cutting_backend() -> Iterator[CuttingBackend]:
     backend.stop()
 
 
-@pytest.mark.parametrize("server", ["uvicorn", "daphne"])
-def test_a_stream_cut_mid_event_still_ends_with_a_whole_error_event(tmp_path, consoles, cutting_backend, server):
+def _stream_through_console(tmp_path, consoles, backend, server: str = "uvicorn"):
+    """A console routing model `cut` to `backend`; the console and the stream's SSE events."""
     c = open_console(tmp_path / "console", server=server,
                      extra_env={"XGEN_NODE_STALE_AFTER": "3600", "XGEN_NODE_OFFLINE_AFTER": "7200"})
     consoles.append(c)
-    rows = ProxyConsole(console=c.console, key=c.key)
-    rows.set_instances([{"name": "cut", "port": cutting_backend.port}])
-    rows.wait_models({"cut"})
+    c.set_instances([{"name": "cut", "port": backend.port}])
+    c.wait_models({"cut"})
     body = {"model": "cut", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
     with httpx.stream("POST", f"{c.url}/v1/chat/completions", headers=c.auth, json=body, timeout=30) as r:
         assert r.status_code == 200
         text = r.read().decode()
-    events = [e for e in text.split("\n\n") if e.strip()]
+    return c, [e for e in text.split("\n\n") if e.strip()]
+
+
+@pytest.mark.parametrize("server", ["uvicorn", "daphne"])
+def test_a_stream_cut_mid_event_still_ends_with_a_whole_error_event(tmp_path, consoles, cutting_backend, server):
+    c, events = _stream_through_console(tmp_path, consoles, cutting_backend, server)
     assert events[0] == EVENT.decode().strip()
     error = json.loads(events[-1].removeprefix("data: "))  # an event of its own, not glued to the cut one
     assert error["error"]["code"] == "upstream_error", events
@@ -79,16 +82,6 @@ def test_a_stream_cut_mid_event_still_ends_with_a_whole_error_event(tmp_path, co
 
 def test_a_stream_cut_after_done_is_complete_without_an_error_event(tmp_path, consoles, cutting_backend):
     cutting_backend.payload = EVENT + b"data: [DONE]\n\n"
-    c = open_console(tmp_path / "console", extra_env={"XGEN_NODE_STALE_AFTER": "3600",
-                                                      "XGEN_NODE_OFFLINE_AFTER": "7200"})
-    consoles.append(c)
-    rows = ProxyConsole(console=c.console, key=c.key)
-    rows.set_instances([{"name": "cut", "port": cutting_backend.port}])
-    rows.wait_models({"cut"})
-    body = {"model": "cut", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
-    with httpx.stream("POST", f"{c.url}/v1/chat/completions", headers=c.auth, json=body, timeout=30) as r:
-        assert r.status_code == 200
-        text = r.read().decode()
-    events = [e for e in text.split("\n\n") if e.strip()]
+    c, events = _stream_through_console(tmp_path, consoles, cutting_backend)
     assert events == [EVENT.decode().strip(), "data: [DONE]"], events  # the answer was whole: no error after it
     assert c.stop() == 0

@@ -8,31 +8,20 @@ from __future__ import annotations
 import json
 import subprocess
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.conftest import Console, LlamaServer, start_console
+from tests.conftest import KeyedConsole, LlamaServer, start_console
 from tests.procs import PYTHON, free_port, stop_process, wait_http
 
 BACKEND_NODE = "gpu-b"
 PROXY_MAX_BODY = 65536
 
 
-@dataclass
-class ProxyConsole:
-    console: Console
-    key: str
-
-    @property
-    def url(self) -> str:
-        return self.console.url
-
-    @property
-    def auth(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.key}"}
+class ProxyConsole(KeyedConsole):
+    """A console whose instances the test writes directly (READY rows pointing at test backends)."""
 
     def set_instances(self, rows: list[dict], *, node_fresh: bool = True) -> list[int]:
         """Replace every instance on the backend node with `rows` ({name, port, type?, state?}); their ids."""
