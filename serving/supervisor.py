@@ -84,13 +84,19 @@ def describe_exit(code: int | None) -> str:
     return f"exited with code {code}"
 
 
-def proc_state(pid: int) -> str | None:
-    """The /proc state letter of `pid` (Z = zombie), or None when it is gone."""
+def _stat_fields(pid: int | str) -> list[str] | None:
+    """/proc/<pid>/stat after the command name (state, ppid, pgrp, ...), or None when it is gone."""
     try:
         raw = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    return raw[raw.rfind(")") + 2 :].split()[0]
+    return raw[raw.rfind(")") + 2 :].split()
+
+
+def proc_state(pid: int) -> str | None:
+    """The /proc state letter of `pid` (Z = zombie), or None when it is gone."""
+    fields = _stat_fields(pid)
+    return fields[0] if fields else None
 
 
 def proc_cmdline(pid: int) -> list[str]:
@@ -124,12 +130,8 @@ def _group_pids(pgid: int) -> list[int]:
     pids = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
-            try:
-                raw = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            fields = raw[raw.rfind(")") + 2 :].split()
-            if len(fields) > 2 and fields[2] == str(pgid):
+            fields = _stat_fields(entry)
+            if fields and len(fields) > 2 and fields[2] == str(pgid):
                 pids.append(int(entry))
     return pids
 
