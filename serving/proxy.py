@@ -495,9 +495,10 @@ async def open_upstream(*, path: str, query: bytes, body: bytes, candidates: lis
 
 
 # ---------------------------------------------------------------- the ASGI app
-async def _read_body(receive, headers: dict[bytes, bytes]) -> bytes | None:
-    """The request body, bounded by PROXY_MAX_BODY_BYTES; None when the client left."""
-    limit = settings.PROXY_MAX_BODY_BYTES
+async def read_body(receive, headers: dict[bytes, bytes], *, limit: int, timeout_s: float) -> bytes | None:
+    """The request body, refused past `limit` bytes (declared or counted as it arrives) and past
+    `timeout_s` seconds in all (a client that trickles its body holds a connection no longer);
+    None when the client left. Shared by the proxy and the guard in front of Django."""
     declared = headers.get(b"content-length")
     if declared is not None:
         try:
@@ -508,18 +509,23 @@ async def _read_body(receive, headers: dict[bytes, bytes]) -> bytes | None:
             raise ProxyError(413, f"The request body exceeds {limit} bytes.", code="request_too_large")
     parts: list[bytes] = []
     total = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return None
-        chunk = message.get("body", b"")
-        if chunk:
-            total += len(chunk)
-            if total > limit:
-                raise ProxyError(413, f"The request body exceeds {limit} bytes.", code="request_too_large")
-            parts.append(chunk)
-        if not message.get("more_body", False):
-            break
+    try:
+        async with asyncio.timeout(timeout_s):
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    return None
+                chunk = message.get("body", b"")
+                if chunk:
+                    total += len(chunk)
+                    if total > limit:
+                        raise ProxyError(413, f"The request body exceeds {limit} bytes.", code="request_too_large")
+                    parts.append(chunk)
+                if not message.get("more_body", False):
+                    break
+    except TimeoutError:
+        raise ProxyError(408, f"The request body did not arrive within {timeout_s:g} s.",
+                         code="request_timeout", headers=[(b"connection", b"close")]) from None
     return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
@@ -588,7 +594,7 @@ async def _handle(scope, receive, send, headers: dict[bytes, bytes], request_id:
         await _send_json(send, 200, json.dumps(answer).encode(), request_id=request_id)
         return
 
-    body = await _read_body(receive, headers)
+    body = await read_body(receive, headers, limit=settings.PROXY_MAX_BODY_BYTES, timeout_s=settings.BODY_TIMEOUT_S)
     if body is None:
         return  # the client left while sending
     payload = parse_body(body)

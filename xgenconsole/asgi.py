@@ -22,9 +22,10 @@ from hardware.routing import websocket_urlpatterns as hardware_ws  # noqa: E402
 from hub.routing import websocket_urlpatterns as hub_ws  # noqa: E402
 from serving.proxy import PROXY_PREFIXES, proxy_app, shutdown_proxy  # noqa: E402
 from serving.routing import websocket_urlpatterns as serving_ws  # noqa: E402
+from xgenconsole.body_guard import guard_django  # noqa: E402
 
 websocket_app = AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter(hardware_ws + hub_ws + serving_ws)))
-http_app = ASGIStaticFilesHandler(django_http)
+http_app = guard_django(ASGIStaticFilesHandler(django_http))
 
 
 async def application(scope, receive, send):

@@ -60,6 +60,16 @@ PROXY_MAX_BODY_BYTES = env_int("XGEN_PROXY_MAX_BODY", 16 * 1024 * 1024, minimum=
 PROXY_CONNECT_TIMEOUT_S = env_int("XGEN_PROXY_CONNECT_TIMEOUT", 5, minimum=1)
 API_KEY_CACHE_S = env_int("XGEN_API_KEY_CACHE", 30, minimum=0)
 
+# Request bodies, on every route and every server: checked before a byte of the body is read.
+# A request without credentials may send at most ANONYMOUS_MAX_BODY_BYTES (the login form).
+MAX_REQUEST_BODY_BYTES = env_int("XGEN_MAX_REQUEST_BODY", 10 * 1024 * 1024, minimum=1024)
+ANONYMOUS_MAX_BODY_BYTES = 64 * 1024
+BODY_TIMEOUT_S = env_int("XGEN_BODY_TIMEOUT", 30, minimum=1, maximum=3600)
+DATA_UPLOAD_MAX_MEMORY_SIZE = MAX_REQUEST_BODY_BYTES
+FILE_UPLOAD_MAX_MEMORY_SIZE = 2 * 1024 * 1024
+DATA_UPLOAD_MAX_NUMBER_FIELDS = 1000
+DATA_UPLOAD_MAX_NUMBER_FILES = 100
+
 INSTALLED_APPS = [
     "daphne",
     "django.contrib.auth",
