@@ -1,10 +1,12 @@
 """The GPU allocation overview: which node has which GPUs, how full they are, and who holds them.
 
-Read-only; the GPUs page, its live fragments and the hardware API share it. The holder
-lookup reads serving's instances lazily (hardware never imports serving at module level).
+Read-only; the GPUs page, its live fragments and the hardware API share it. Who holds a GPU
+is serving's knowledge: serving hands in a holder source at start-up (`set_holder_source`),
+so hardware, the bottom tier, never imports it.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from hardware.models import GpuDevice, Node
@@ -63,24 +65,30 @@ class Overview:
         return sum(1 for c in self.cards if c.status == "online")
 
 
-def _holders_by_node(instances) -> dict[int, dict[int, Holder]]:
+# Every active instance (of one node, or of all): (node id, GPU indexes it holds, who it is).
+HolderSource = Callable[[Node | None], list[tuple[int, list[int], Holder]]]
+_holder_source: HolderSource | None = None
+
+
+def set_holder_source(source: HolderSource) -> None:
+    """Register who answers "which instances are active, and which GPUs do they hold"."""
+    global _holder_source
+    _holder_source = source
+
+
+def _holders_by_node(node: Node | None = None) -> tuple[dict[int, dict[int, Holder]], int]:
+    """node id -> GPU index -> holder, and how many instances are active."""
+    active = _holder_source(node) if _holder_source is not None else []
     by_node: dict[int, dict[int, Holder]] = {}
-    for inst in instances:
-        for index in inst.gpus or []:
-            by_node.setdefault(inst.node_id, {})[int(index)] = Holder(id=inst.pk, model_name=inst.model_name,
-                                                                    state=inst.state)
-    return by_node
-
-
-def _active_instances():
-    from serving.models import ACTIVE_STATES, ModelInstance  # read-only lookup of the layer above
-
-    return ModelInstance.objects.filter(state__in=ACTIVE_STATES).only("id", "node_id", "gpus", "model_name", "state")
+    for node_id, gpus, holder in active:
+        for index in gpus:
+            by_node.setdefault(node_id, {})[int(index)] = holder
+    return by_node, len(active)
 
 
 def gpu_holders(node: Node) -> dict[int, Holder]:
     """GPU index -> the active instance holding it, for one node."""
-    return _holders_by_node(_active_instances().filter(node=node)).get(node.pk, {})
+    return _holders_by_node(node)[0].get(node.pk, {})
 
 
 def node_card(node: Node, holders: dict[int, Holder] | None = None) -> NodeCard:
@@ -98,7 +106,6 @@ def node_card(node: Node, holders: dict[int, Holder] | None = None) -> NodeCard:
 
 def overview() -> Overview:
     """Every node's card and the count of active instances, in three queries whatever the cluster size."""
-    instances = list(_active_instances())
-    by_node = _holders_by_node(instances)
+    by_node, active = _holders_by_node()
     cards = [node_card(node, by_node.get(node.pk, {})) for node in Node.objects.prefetch_related("gpus")]
-    return Overview(cards=cards, instances_active=len(instances))
+    return Overview(cards=cards, instances_active=active)

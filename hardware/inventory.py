@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
 from typing import Any
 
 from asgiref.sync import sync_to_async
@@ -19,18 +18,12 @@ from hardware.detectors import DETECTORS, DetectionReport, Detector, detect
 from hardware.detectors.base import DetectorAttempt, DetectorUnavailable
 from hardware.detectors.cpu import cpu_percent, read_cpu_info, read_cpu_times
 from hardware.events import publish_gpus, publish_node
-from hardware.services import save_inventory
+from hardware.services import InventoryResult, save_inventory
 
 log = logging.getLogger("xgen.hardware")
 
 # Backends change only when someone installs one; re-probe every this many refreshes (~5 min).
 BACKEND_REPROBE_EVERY = 30
-
-
-@dataclass
-class InventoryResult:
-    report: DetectionReport
-    backends: list[dict] | None  # None: keep what is stored (refreshes do not re-probe)
 
 
 def collect_inventory(chain: list[Detector] | None = None) -> InventoryResult:

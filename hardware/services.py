@@ -2,18 +2,23 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING
 
 from django.db import transaction
 from django.utils import timezone
 
+from hardware.detectors.base import DetectionReport
 from hardware.models import GpuDevice, Heartbeat, Node
 
-if TYPE_CHECKING:
-    from hardware.inventory import InventoryResult
-
 HEARTBEAT_HISTORY = timedelta(hours=1)
+
+
+
+@dataclass
+class InventoryResult:
+    report: DetectionReport
+    backends: list[dict] | None  # None: keep what is stored (refreshes do not re-probe)
 
 
 def register_node(*, name: str, address: str) -> Node:

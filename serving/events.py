@@ -16,6 +16,11 @@ LIST_GROUP = "instances"
 TIMELINE_ROWS = 100
 
 
+def node_group(name: str) -> str:
+    """Channel-layer group that nudges the agent of node `name`."""
+    return f"node.{name}"
+
+
 def instance_group(instance_id: int) -> str:
     return f"instance.{instance_id}"
 

@@ -1,6 +1,6 @@
 """The inference operations in the OpenAPI docs, calling the same core as the proxy.
 
-Under the ASGI app, `/api/inference/` is served by serving.proxy.proxy_app ahead of Django
+Under the ASGI app, `/api/inference/` is served by serving.proxy.app.proxy_app ahead of Django
 (the fast path clients use); these Ninja views make the same operations appear at /api/docs
 and answer identically when Django is reached directly (e.g. the test client).
 """
@@ -11,7 +11,11 @@ from django.http import HttpRequest, HttpResponse, StreamingHttpResponse
 from ninja import Field, Router, Schema
 from pydantic import ConfigDict
 
-from serving import metrics, proxy
+from serving.proxy import app as proxy_app
+from serving.proxy import metrics
+from serving.proxy.app import candidates_for, parse_body, request_id_from
+from serving.proxy.errors import ProxyError
+from serving.proxy.upstream import open_upstream
 
 router = Router()
 
@@ -62,24 +66,24 @@ class EmbeddingRequest(_OpenAIBody):
     input: str | list
 
 
-def _error(exc: proxy.ProxyError) -> HttpResponse:
+def _error(exc: ProxyError) -> HttpResponse:
     metrics.record_rejected(exc.code or str(exc.status))
     return HttpResponse(exc.body(), status=exc.status, content_type="application/json")
 
 
 async def _forward(request: HttpRequest, kind: str) -> HttpResponse:
     raw_headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in request.headers.items()]
-    request_id = proxy.request_id_from(dict(raw_headers))
+    request_id = request_id_from(dict(raw_headers))
     body = request.body
     try:
         if len(body) > settings.PROXY_MAX_BODY_BYTES:
-            raise proxy.ProxyError(413, "The request body is too large.", code="request_too_large")
-        candidates = await proxy.candidates_for(proxy.parse_body(body), kind=kind)
-        reply = await proxy.open_upstream(
+            raise ProxyError(413, "The request body is too large.", code="request_too_large")
+        candidates = await candidates_for(parse_body(body), kind=kind)
+        reply = await open_upstream(
             path=request.path, query=request.META.get("QUERY_STRING", "").encode("latin-1"), body=body,
             candidates=candidates, headers=raw_headers, request_id=request_id,
         )
-    except proxy.ProxyError as exc:
+    except ProxyError as exc:
         return _error(exc)
     response = StreamingHttpResponse(reply.chunks(), status=reply.status)
     for name, value in reply.headers():
@@ -91,15 +95,15 @@ async def _forward(request: HttpRequest, kind: str) -> HttpResponse:
 @router.get("/v1/models", response=ModelList, summary="List READY models")
 async def list_models(request: HttpRequest):
     """Every READY model, one entry per served name with its replicas."""
-    return await proxy.list_models()
+    return await proxy_app.list_models()
 
 
 @router.get("/v1/models/{model}", response=ModelEntry, summary="One READY model")
 async def get_model(request: HttpRequest, model: str):
     """A READY model by served name; 404 model_not_found otherwise."""
     try:
-        return await proxy.get_model(model)
-    except proxy.ProxyError as exc:
+        return await proxy_app.get_model(model)
+    except ProxyError as exc:
         return _error(exc)
 
 
@@ -124,7 +128,7 @@ async def embeddings(request: HttpRequest, payload: EmbeddingRequest):
 @router.get("/embedding/v1/models", response=ModelList, summary="List READY embedding models")
 async def list_embedding_models(request: HttpRequest):
     """READY embedding models only."""
-    return await proxy.list_models(kind="embedding")
+    return await proxy_app.list_models(kind="embedding")
 
 
 @router.post("/embedding/v1/embeddings", summary="Embeddings (explicit embedding route)")

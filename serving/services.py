@@ -23,7 +23,6 @@ from hardware.models import GpuDevice, Node
 from hub.models import CacheEntry, CacheState, ModelArtifact
 from serving import events
 from serving.adapters import InvalidExtraArgs, get_adapter
-from serving.agent import node_group
 from serving.models import (
     ACTIVE_STATES,
     DesiredState,
@@ -329,7 +328,7 @@ def nudge_node(node_name: str) -> None:
     if layer is None:
         return
     try:
-        async_to_sync(layer.group_send)(node_group(node_name), {"type": "agent.nudge"})
+        async_to_sync(layer.group_send)(events.node_group(node_name), {"type": "agent.nudge"})
     except Exception:
         log.warning("nudging node %s failed; it will reconcile on its own", node_name, exc_info=True)
 

@@ -15,10 +15,10 @@ from hardware.models import GpuDevice, Node
 from hub.models import ModelArtifact
 from serving.events import instances_context, timeline_events
 from serving.forms import ExtraArgsError, LoadForm, parse_extra_args
-from serving.metrics import usage_summary
 from serving.models import InstanceState, ModelInstance
+from serving.node.logs import current_log, previous_log
+from serving.proxy.metrics import usage_summary
 from serving.services import LoadRefused, gpu_rooms, plan_load, request_load, request_restart, request_unload
-from serving.supervisor import current_log, previous_log
 from xgenconsole.models import Role
 from xgenconsole.views import role_required
 

@@ -20,7 +20,8 @@ from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: 
 
 from hardware.routing import websocket_urlpatterns as hardware_ws  # noqa: E402
 from hub.routing import websocket_urlpatterns as hub_ws  # noqa: E402
-from serving.proxy import PROXY_PREFIXES, proxy_app, shutdown_proxy  # noqa: E402
+from serving.proxy.app import PROXY_PREFIXES, proxy_app  # noqa: E402
+from serving.proxy.upstream import shutdown_proxy  # noqa: E402
 from serving.routing import websocket_urlpatterns as serving_ws  # noqa: E402
 from xgenconsole.body_guard import guard_django  # noqa: E402
 

@@ -17,7 +17,9 @@ import json
 
 from django.conf import settings
 
-from serving.proxy import PROXY_PREFIXES, ProxyError, authenticate, read_body
+from serving.proxy.app import PROXY_PREFIXES, read_body
+from serving.proxy.auth import authenticate
+from serving.proxy.errors import ProxyError
 from xgenconsole.errors import error_body
 
 

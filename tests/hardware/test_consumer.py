@@ -10,7 +10,7 @@ from hardware.events import publish_gpus
 from hardware.inventory import InventoryWorker
 from hardware.models import Node
 from hardware.routing import websocket_urlpatterns
-from serving.agent import NodeAgent
+from serving.node.agent import NodeAgent
 
 app = URLRouter(websocket_urlpatterns)
 

@@ -11,7 +11,7 @@ from hardware.detectors.base import DetectedGpu, Detector
 from hardware.inventory import InventoryWorker
 from hardware.models import GpuDevice, Node
 from hardware.services import save_inventory
-from serving.agent import NodeAgent, default_workers
+from serving.node.agent import NodeAgent, default_workers
 from tests.hardware.conftest import gpu_inventory
 
 

@@ -53,7 +53,7 @@ def echo_instance(transactional_db, echo_backend):
 
     from hardware.models import Node
     from serving.models import ModelInstance
-    from serving.routing_table import routing_table
+    from serving.proxy.replicas import routing_table
 
     node = Node.objects.create(name="gpu-local", address="127.0.0.1", last_heartbeat=timezone.now())
     inst = ModelInstance.objects.create(model_name="echo", model_path="/m", backend="echo", node=node,
@@ -63,8 +63,8 @@ def echo_instance(transactional_db, echo_backend):
 
 
 async def test_the_ninja_routes_call_the_same_core_and_feed_the_usage_partial(echo_instance, viewer):
-    from serving.metrics import usage_summary
-    from serving.proxy import shutdown_proxy
+    from serving.proxy.metrics import usage_summary
+    from serving.proxy.upstream import shutdown_proxy
 
     # (this AsyncClient passes auth reliably only as a per-request lower-case header)
     client = AsyncClient()

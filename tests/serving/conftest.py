@@ -35,8 +35,8 @@ def set_backends(name: str, backends: list[dict]) -> None:
 async def agent(serving_settings, transactional_db) -> AsyncIterator[object]:
     """A real NodeAgent with the real Supervisor, on node-t, for the test."""
     from hardware.services import register_node
-    from serving.agent import NodeAgent
-    from serving.supervisor import Supervisor
+    from serving.node.agent import NodeAgent
+    from serving.node.supervisor import Supervisor
 
     await sync_to_async(register_node)(name=NODE, address="127.0.0.1")
     await sync_to_async(set_backends)(NODE, [LLAMA_CPP_PYTHON])

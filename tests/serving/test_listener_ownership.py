@@ -1,7 +1,7 @@
 """Readiness needs the listening socket to be the backend's own, not another process's on the port."""
 import os
 
-from serving.supervisor import listener_is_ours
+from serving.node.processes import listener_is_ours
 from tests.procs import free_port
 
 

@@ -78,8 +78,8 @@ def test_viewer_sees_no_actions_and_the_server_refuses_them(node, operator, view
 
 @pytest.mark.django_db
 def test_log_download_keeps_the_previous_run(node, viewer, tiny_gguf, serving_settings):
+    from serving.node.logs import current_log, previous_log
     from serving.services import request_load
-    from serving.supervisor import current_log, previous_log
 
     inst = request_load(model_path=str(tiny_gguf), model_name="t")
     c = logged_in(viewer)
@@ -157,7 +157,7 @@ def test_verdict_on_a_gpu_node_lists_gpus_and_keeps_the_choice(node, operator, t
 
 @pytest.mark.django_db
 def test_instance_page_shows_proxy_usage(node, viewer, operator, tiny_gguf, monkeypatch):
-    from serving import metrics
+    from serving.proxy import metrics
     from serving.services import request_load
 
     monkeypatch.setattr(metrics, "_usage", {})  # usage is per process; ids repeat across test databases

@@ -149,7 +149,7 @@ async def test_restart_of_a_ready_instance_gives_a_new_process(agent, tiny_gguf)
     assert backend_pids("tiny-restart", inst.port) == [inst.pid]
     tos = [to for _, to in await sync_to_async(_events)(inst.pk)]
     assert tos[-6:] == ["UNLOADING", "STOPPED", "PENDING", "LOADING", "WARMING", "READY"]
-    from serving.supervisor import previous_log
+    from serving.node.logs import previous_log
 
     assert previous_log(inst.pk).exists(), "the previous run's log is kept"
 

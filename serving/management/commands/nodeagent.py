@@ -7,7 +7,7 @@ import signal
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
-from serving.agent import AgentAlreadyRunning, NodeAgent
+from serving.node.agent import AgentAlreadyRunning, NodeAgent
 
 
 class Command(BaseCommand):

@@ -36,7 +36,7 @@ class Command(BaseCommand):
     def _make_agent(self, with_agent: bool):
         if not with_agent:
             return None
-        from serving.agent import NodeAgent
+        from serving.node.agent import NodeAgent
 
         return NodeAgent()
 
@@ -77,7 +77,7 @@ class Command(BaseCommand):
         from daphne.server import Server
         from twisted.internet import defer, reactor
 
-        from serving.proxy import shutdown_proxy
+        from serving.proxy.upstream import shutdown_proxy
         from xgenconsole.asgi import application
         from xgenconsole.body_guard import install_daphne_guard
 

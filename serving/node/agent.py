@@ -20,6 +20,9 @@ from django.db import close_old_connections
 from hardware.inventory import InventoryWorker
 from hardware.services import record_heartbeat, register_node
 from hub.worker import HubWorker
+from serving.events import node_group
+from serving.node.supervisor import Supervisor
+from serving.node.worker import AgentWorker
 
 log = logging.getLogger("xgen.agent")
 
@@ -28,40 +31,13 @@ class AgentAlreadyRunning(RuntimeError):
     """Another agent holds this node's lock."""
 
 
-class AgentWorker:
-    """A part of the agent's work, contributed by one app. Subclasses override what they need.
-
-    start(): once, after the node is registered and before the agent counts as started.
-    run(): a long-running loop; cancelled when the agent stops.
-    stop(): once, when the agent stops (stop what this worker owns, cleanly).
-    """
-
-    name = "worker"
-
-    async def start(self, agent: NodeAgent) -> None:
-        return None
-
-    async def run(self, agent: NodeAgent) -> None:
-        return None
-
-    async def stop(self, agent: NodeAgent) -> None:
-        return None
-
-
 def default_workers() -> list[AgentWorker]:
     """The explicit registry of what a node agent does, in start order (one line per worker)."""
-    from serving.supervisor import Supervisor  # imports this module: loaded on demand
-
     workers: list[AgentWorker] = []
     workers.append(InventoryWorker())  # hardware: GPUs, CPU/RAM and backends; refreshed live
     workers.append(HubWorker())  # hub: store index, demo model, Hugging Face download jobs
     workers.append(Supervisor())  # serving: backend processes of this node's instances
     return workers
-
-
-def node_group(name: str) -> str:
-    """Channel-layer group that nudges the agent of node `name`."""
-    return f"node.{name}"
 
 
 class NodeAgent:

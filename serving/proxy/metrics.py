@@ -47,7 +47,7 @@ class InFlightCollector:
     def collect(self):
         from prometheus_client.core import GaugeMetricFamily
 
-        from serving.routing_table import routing_table
+        from serving.proxy.replicas import routing_table
 
         family = GaugeMetricFamily("xgen_inference_in_flight", "Requests open to a backend now",
                                    labels=["model", "instance"])
@@ -144,7 +144,7 @@ def _percentile(values: list[float], q: float) -> float | None:
 def usage_summary(*, instance_id: int | None = None, model: str | None = None) -> list[dict]:
     """Rows for the instance page: requests, errors, tokens and latency (ms) per model and instance,
     plus the requests in flight now (this process's counts)."""
-    from serving.routing_table import routing_table
+    from serving.proxy.replicas import routing_table
 
     in_flight = routing_table.in_flight_by_instance()
     with _lock:
@@ -177,33 +177,3 @@ def render_metrics() -> tuple[bytes, str]:
     """The Prometheus text exposition of this process, and its content type."""
     return generate_latest(REGISTRY), CONTENT_TYPE_LATEST
 
-
-class RuntimeCollector:
-    """Leak indicators for soak tests and dashboards: event-loop tasks, and the pooled
-    client's upstream connections (idle in the pool / in use). Read at scrape time."""
-
-    def collect(self):
-        import asyncio
-
-        from prometheus_client.core import GaugeMetricFamily
-
-        from serving import proxy
-
-        try:
-            tasks = len(asyncio.all_tasks())
-        except RuntimeError:  # scraped outside the event loop
-            tasks = 0
-        yield GaugeMetricFamily("xgen_event_loop_tasks", "asyncio tasks alive in this process's loop", value=tasks)
-        conns = GaugeMetricFamily("xgen_proxy_upstream_connections", "Connections to backends", labels=["state"])
-        connector = proxy._client.connector if proxy._client is not None else None
-        idle = sum(len(v) for v in getattr(connector, "_conns", {}).values()) if connector else 0
-        in_use = len(getattr(connector, "_acquired", ())) if connector else 0
-        conns.add_metric(["idle"], idle)
-        conns.add_metric(["in_use"], in_use)
-        yield conns
-
-    def describe(self):
-        return []
-
-
-REGISTRY.register(RuntimeCollector())

@@ -15,11 +15,11 @@ import asyncio
 import contextlib
 import logging
 import os
-import signal
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 from asgiref.sync import sync_to_async
@@ -29,11 +29,25 @@ from django.utils import timezone
 
 from serving import events
 from serving.adapters import BackendAdapter, LaunchSpec, get_adapter
-from serving.agent import AgentWorker, NodeAgent
 from serving.models import ACTIVE_STATES, DesiredState, InstanceState, ModelInstance
+from serving.node.logs import current_log, previous_log
+from serving.node.processes import (
+    bind_host,
+    describe_exit,
+    kill_group,
+    listener_is_ours,
+    pid_alive,
+    proc_cmdline,
+    stop_group,
+    url_host,
+)
+from serving.node.worker import AgentWorker
 from serving.placement import PlacementError, pick_port
 from serving.selection import choose_backend, node_gpu_type
 from serving.services import gguf_in_dir, save_log_tail, transition
+
+if TYPE_CHECKING:
+    from serving.node.agent import NodeAgent
 
 log = logging.getLogger("xgen.supervisor")
 
@@ -71,116 +85,6 @@ def _get(instance_id: int) -> ModelInstance | None:
 
 
 db_get = _db(_get)
-
-
-def describe_exit(code: int | None) -> str:
-    if code is None:
-        return "exited"
-    if code < 0:
-        try:
-            return f"was killed by {signal.Signals(-code).name} (exit {code})"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with code {code}"
-
-
-def _stat_fields(pid: int | str) -> list[str] | None:
-    """/proc/<pid>/stat after the command name (state, ppid, pgrp, ...), or None when it is gone."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return raw[raw.rfind(")") + 2 :].split()
-
-
-def proc_state(pid: int) -> str | None:
-    """The /proc state letter of `pid` (Z = zombie), or None when it is gone."""
-    fields = _stat_fields(pid)
-    return fields[0] if fields else None
-
-
-def proc_cmdline(pid: int) -> list[str]:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
-    except OSError:
-        return []
-
-
-def pid_alive(pid: int) -> bool:
-    state = proc_state(pid)
-    return state is not None and state != "Z"
-
-
-def _listening_inodes(port: int) -> set[str]:
-    """Socket inodes listening on `port` (any address) in this network namespace."""
-    inodes: set[str] = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            rows = Path(table).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for row in rows:
-            cols = row.split()
-            if len(cols) > 9 and cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:
-                inodes.add(cols[9])
-    return inodes
-
-
-def _group_pids(pgid: int) -> list[int]:
-    pids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            fields = _stat_fields(entry)
-            if fields and len(fields) > 2 and fields[2] == str(pgid):
-                pids.append(int(entry))
-    return pids
-
-
-def listener_is_ours(pgid: int | None, port: int) -> bool:
-    """Whether the socket listening on `port` belongs to a process of group `pgid`.
-
-    A health answer alone can come from another process that holds the port (two agents on
-    one host racing for it, a backend left over); readiness needs the listener to be ours.
-    """
-    if pgid is None:
-        return False
-    inodes = _listening_inodes(port)
-    if not inodes:
-        return False
-    for pid in _group_pids(pgid):
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                link = os.readlink(f"/proc/{pid}/fd/{fd}")
-            except OSError:
-                continue
-            if link.startswith("socket:[") and link[8:-1] in inodes:
-                return True
-    return False
-
-
-def bind_host(node_address: str) -> str:
-    """Backends listen only where web processes reach them (the node's address), never on every interface."""
-    return "127.0.0.1" if node_address in ("", "localhost") else node_address
-
-
-def url_host(host: str) -> str:
-    return f"[{host}]" if ":" in host and not host.startswith("[") else host
-
-
-def instance_log_dir(instance_id: int) -> Path:
-    return Path(settings.LOG_DIR) / "instances" / str(instance_id)
-
-
-def current_log(instance_id: int) -> Path:
-    return instance_log_dir(instance_id) / "current.log"
-
-
-def previous_log(instance_id: int) -> Path:
-    return instance_log_dir(instance_id) / "previous.log"
 
 
 @dataclass
@@ -494,8 +398,7 @@ class Supervisor(AgentWorker):
             return STOPPED
         await asyncio.sleep(TAIL_POLL_S * 3)
         await self._stop_tailer(run)
-        with contextlib.suppress(ProcessLookupError, PermissionError, TypeError):
-            os.killpg(run.pgid, signal.SIGKILL)  # nothing of the dead backend's group may linger
+        kill_group(run.pgid)  # nothing of the dead backend's group may linger
         message = f"{run.adapter.label if run.adapter else 'backend'} {describe_exit(code)} while READY"
         await db_transition(run.instance_id, InstanceState.ERROR, message,
                             last_error=f"{message}\n{run.last_lines()}".strip(), exit_code=code, pid=None, pgid=None,
@@ -581,28 +484,7 @@ class Supervisor(AgentWorker):
     # ------------------------------------------------------------ stopping
     async def _kill(self, run: BackendRun) -> None:
         """SIGTERM the process group, wait STOP_GRACE_S, SIGKILL the group, reap."""
-        if run.pgid is None:
-            return
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(run.pgid, signal.SIGTERM)
-        if run.proc is not None:
-            try:
-                await asyncio.wait_for(run.proc.wait(), settings.STOP_GRACE_S)
-            except TimeoutError:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(run.pgid, signal.SIGKILL)
-                await run.proc.wait()  # reap: no zombie
-        else:
-            deadline = time.monotonic() + settings.STOP_GRACE_S
-            while pid_alive(run.pid) and time.monotonic() < deadline:
-                await asyncio.sleep(0.1)
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(run.pgid, signal.SIGKILL)
-            while pid_alive(run.pid):
-                await asyncio.sleep(0.05)
-        # Children the backend left in its group (workers) go too.
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(run.pgid, signal.SIGKILL)
+        await stop_group(run.pgid, proc=run.proc, pid=run.pid, grace_s=settings.STOP_GRACE_S)
 
     async def stop_instance(self, instance_id: int, reason: str, *, keep_desired: bool = False) -> None:
         """Stop the backend of an instance: UNLOADING, kill the group, reap, STOPPED with port and GPUs freed."""

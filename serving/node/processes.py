@@ -1,0 +1,141 @@
+"""Backend processes on this node: how one exited, /proc readers (state, command line, process
+group, listening sockets), the host a backend binds to, and stopping a whole process group."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import time
+from pathlib import Path
+
+
+def describe_exit(code: int | None) -> str:
+    if code is None:
+        return "exited"
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name} (exit {code})"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def _stat_fields(pid: int | str) -> list[str] | None:
+    """/proc/<pid>/stat after the command name (state, ppid, pgrp, ...), or None when it is gone."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return raw[raw.rfind(")") + 2 :].split()
+
+
+def proc_state(pid: int) -> str | None:
+    """The /proc state letter of `pid` (Z = zombie), or None when it is gone."""
+    fields = _stat_fields(pid)
+    return fields[0] if fields else None
+
+
+def proc_cmdline(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return []
+
+
+def pid_alive(pid: int) -> bool:
+    state = proc_state(pid)
+    return state is not None and state != "Z"
+
+
+def _listening_inodes(port: int) -> set[str]:
+    """Socket inodes listening on `port` (any address) in this network namespace."""
+    inodes: set[str] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            cols = row.split()
+            if len(cols) > 9 and cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(cols[9])
+    return inodes
+
+
+def _group_pids(pgid: int) -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            fields = _stat_fields(entry)
+            if fields and len(fields) > 2 and fields[2] == str(pgid):
+                pids.append(int(entry))
+    return pids
+
+
+def listener_is_ours(pgid: int | None, port: int) -> bool:
+    """Whether the socket listening on `port` belongs to a process of group `pgid`.
+
+    A health answer alone can come from another process that holds the port (two agents on
+    one host racing for it, a backend left over); readiness needs the listener to be ours.
+    """
+    if pgid is None:
+        return False
+    inodes = _listening_inodes(port)
+    if not inodes:
+        return False
+    for pid in _group_pids(pgid):
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if link.startswith("socket:[") and link[8:-1] in inodes:
+                return True
+    return False
+
+
+def bind_host(node_address: str) -> str:
+    """Backends listen only where web processes reach them (the node's address), never on every interface."""
+    return "127.0.0.1" if node_address in ("", "localhost") else node_address
+
+
+def url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+async def stop_group(pgid: int | None, *, proc: asyncio.subprocess.Process | None, pid: int | None,
+                     grace_s: float) -> None:
+    """SIGTERM the process group, wait `grace_s`, SIGKILL the group, reap (`proc` when we started
+    it; an adopted `pid` is polled, since only its parent may waitpid it)."""
+    if pgid is None:
+        return
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGTERM)
+    if proc is not None:
+        try:
+            await asyncio.wait_for(proc.wait(), grace_s)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pgid, signal.SIGKILL)
+            await proc.wait()  # reap: no zombie
+    elif pid is not None:
+        deadline = time.monotonic() + grace_s
+        while pid_alive(pid) and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGKILL)
+        while pid_alive(pid):
+            await asyncio.sleep(0.05)
+    # Children the backend left in its group (workers) go too.
+    kill_group(pgid)
+
+
+def kill_group(pgid: int | None) -> None:
+    """SIGKILL what is left of a process group (nothing of a dead backend may linger)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError, TypeError):
+        os.killpg(pgid, signal.SIGKILL)

@@ -1,0 +1,1 @@
+"""Tier 1, the hot path: the inference proxy (ASGI app, upstream client, replicas, metrics)."""

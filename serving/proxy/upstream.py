@@ -1,0 +1,285 @@
+"""The upstream side of the proxy: one pooled aiohttp client per process, sending a request to
+the least busy replica and passing its answer through chunk by chunk (SSE in whole events)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import aiohttp
+from django.conf import settings
+
+from serving.proxy import metrics
+from serving.proxy.errors import ProxyError
+from serving.proxy.replicas import Backend, routing_table
+from xgenconsole.errors import error_body
+
+log = logging.getLogger("xgen.proxy")
+
+# Never forwarded to a backend: hop-by-hop headers, our own auth and session, and what aiohttp sets.
+DROP_REQUEST_HEADERS = frozenset({
+    b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"proxy-connection",
+    b"te", b"trailer", b"trailers", b"transfer-encoding", b"upgrade", b"host", b"authorization",
+    b"cookie", b"content-length", b"x-csrftoken", b"x-request-id", b"expect",
+})
+DROP_RESPONSE_HEADERS = frozenset({
+    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection", "te",
+    "trailer", "trailers", "transfer-encoding", "upgrade", "date", "server", "x-request-id", "set-cookie",
+})
+USAGE_RE = re.compile(rb'"(prompt_tokens|completion_tokens)"\s*:\s*(\d+)')
+USAGE_TAIL = 4096  # usage sits at the end of a JSON answer and in a stream's last chunks
+WHOLE_BODY_MAX = 1 << 20  # answers up to this size with a Content-Length go out in one message
+
+
+# ---------------------------------------------------------------- the pooled client
+_client: aiohttp.ClientSession | None = None
+_client_loop: asyncio.AbstractEventLoop | None = None
+
+
+def client() -> aiohttp.ClientSession:
+    """The process's one pooled HTTP client, created lazily in the running loop."""
+    global _client, _client_loop
+    loop = asyncio.get_running_loop()
+    if _client is None or _client.closed or _client_loop is not loop:
+        _client_loop = loop
+        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30, ttl_dns_cache=60)
+        _client = aiohttp.ClientSession(
+            connector=connector,
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=settings.PROXY_CONNECT_TIMEOUT_S,
+                                          sock_read=None),
+            auto_decompress=False,  # bytes pass through as the backend encoded them
+            skip_auto_headers=("Accept-Encoding", "User-Agent"),
+            raise_for_status=False,
+        )
+    return _client
+
+
+async def shutdown_proxy() -> None:
+    """Close the pooled client (lifespan shutdown or process exit)."""
+    global _client
+    if _client is not None and not _client.closed:
+        try:
+            await _client.close()
+        except RuntimeError:  # created in a loop that is gone
+            pass
+    _client = None
+
+
+# ---------------------------------------------------------------- one upstream exchange
+@dataclass(eq=False)
+class UpstreamReply:
+    """An open backend response: status and headers now, the body chunk by chunk."""
+
+    backend: Backend
+    response: aiohttp.ClientResponse
+    started: float
+    first_byte_s: float
+    request_id: str
+    _finished: bool = False
+
+    @property
+    def status(self) -> int:
+        return self.response.status
+
+    @property
+    def is_sse(self) -> bool:
+        return self.response.content_type == "text/event-stream"
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        """Response headers for the client: hop-by-hop dropped, the request id added."""
+        out = [
+            (k.lower().encode("latin-1"), v.encode("latin-1"))
+            for k, v in self.response.headers.items()
+            if k.lower() not in DROP_RESPONSE_HEADERS
+        ]
+        out.append((b"x-request-id", self.request_id.encode()))
+        return out
+
+    def whole_body_size(self) -> int | None:
+        """The Content-Length when the answer is small enough to send in one message."""
+        length = self.response.content_length
+        if length is not None and length <= WHOLE_BODY_MAX and not self.is_sse:
+            return length
+        return None
+
+    async def read_whole(self) -> bytes:
+        """The whole (small, non-streaming) body; ProxyError 502 when the backend breaks off."""
+        try:
+            body = await self.response.read()
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            self.finish(error="upstream_broken")
+            raise ProxyError(502, f"The backend broke off its answer: {exc}", code="upstream_error") from None
+        except BaseException:
+            self.finish(error=None, cancelled=True)
+            raise
+        self.finish(tail=body[-USAGE_TAIL:])
+        return body
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        """The body as the backend sends it; an SSE stream that breaks ends with an error event.
+
+        An SSE stream goes out in whole events: bytes after the last event boundary wait for the
+        rest of their event, so a stream cut mid-event never glues its error event to half an event.
+        """
+        tail = b""
+        sse = self.is_sse
+        clean = False
+        partial = b""
+        try:
+            async for chunk in self.response.content.iter_any():
+                tail = chunk[-USAGE_TAIL:] if len(chunk) >= USAGE_TAIL else (tail + chunk)[-USAGE_TAIL:]
+                if sse:
+                    chunk = partial + chunk
+                    end = _event_end(chunk)
+                    chunk, partial = chunk[:end], chunk[end:]
+                    if not chunk:
+                        continue
+                yield chunk
+            clean = True
+            if partial:
+                yield partial  # a last event without its blank line: the backend's own framing
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            if sse and not partial and tail.rstrip().endswith(b"data: [DONE]"):
+                clean = True  # cut after its last event: the answer is whole, the lost framing is not news
+                return
+            log.warning("backend %s broke off request %s: %s", self.backend.base_url, self.request_id, exc)
+            self.finish(error="upstream_broken")
+            if sse:
+                err = error_body(f"The backend stopped before finishing this answer ({exc.__class__.__name__}).",
+                                 status=502, code="upstream_error")
+                yield b"data: " + json.dumps(err).encode() + b"\n\n"
+        finally:
+            if clean:
+                self.finish(tail=tail)
+            else:
+                self.finish(error=None, cancelled=True)
+
+    def finish(self, *, tail: bytes = b"", error: str | None = None, cancelled: bool = False) -> None:
+        """Release the connection (closed unless fully read), count the request; idempotent."""
+        if self._finished:
+            return
+        self._finished = True
+        self.backend.in_flight -= 1
+        if error is None and not cancelled:
+            self.response.release()
+        else:
+            self.response.close()
+        tokens = {}
+        if tail and self.status < 400:
+            for kind, value in USAGE_RE.findall(tail):
+                tokens[kind] = int(value)  # the last occurrence wins (a stream's final chunk)
+        metrics.record(
+            model=self.backend.model_name, instance_id=self.backend.instance_id,
+            status=metrics.CLIENT_GONE if cancelled else self.status,
+            duration_s=time.perf_counter() - self.started, first_byte_s=self.first_byte_s,
+            prompt_tokens=tokens.get(b"prompt_tokens", 0), completion_tokens=tokens.get(b"completion_tokens", 0),
+            error=error,
+        )
+
+    def abort(self) -> None:
+        """Close the upstream connection now (the client went away)."""
+        self.finish(cancelled=True)
+
+
+def _event_end(data: bytes) -> int:
+    """Where the last complete SSE event in `data` ends (0 when none does)."""
+    lf, crlf = data.rfind(b"\n\n"), data.rfind(b"\r\n\r\n")
+    return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
+
+
+def forward_headers(raw: list[tuple[bytes, bytes]], request_id: str) -> list[tuple[str, str]]:
+    """The caller's headers minus hop-by-hop, Host, auth and cookies; plus X-Request-ID."""
+    drop = DROP_REQUEST_HEADERS
+    for name, value in raw:
+        if name == b"connection":  # headers it lists are hop-by-hop too
+            drop = drop | {token.strip().lower() for token in value.split(b",")}
+    out = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in raw if k.lower() not in drop]
+    out.append(("X-Request-ID", request_id))
+    return out
+
+
+async def open_upstream(*, path: str, query: bytes, body: bytes, candidates: list[Backend],
+                        headers: list[tuple[bytes, bytes]], request_id: str) -> UpstreamReply:
+    """Send the request to the least busy replica (the next one if it refuses); return at headers."""
+    upstream_path = path[path.index("/v1/"):]
+    suffix = "?" + query.decode("latin-1") if query else ""
+    fwd = forward_headers(headers, request_id)
+    session = client()
+    last_exc: Exception | None = None
+    attempts = routing_table.order(candidates)
+    retried: set[int] = set()
+    while attempts:
+        backend = attempts.pop(0)
+        backend.in_flight += 1
+        started = time.perf_counter()
+        try:
+            response = await session.post(backend.base_url + upstream_path + suffix, data=body, headers=fwd)
+        except aiohttp.ClientConnectorError as exc:
+            # Refused before a byte was sent: this replica is gone, try the next.
+            backend.in_flight -= 1
+            backend.mark_down()
+            last_exc = exc
+            metrics.record(model=backend.model_name, instance_id=backend.instance_id, status=502,
+                           duration_s=time.perf_counter() - started, first_byte_s=None, error="connect")
+            continue
+        except aiohttp.ServerDisconnectedError as exc:
+            # Closed before answering; most often a pooled connection to a backend that restarted:
+            # one more try on a fresh connection tells a restart from a dead replica.
+            backend.in_flight -= 1
+            last_exc = exc
+            if id(backend) not in retried:
+                retried.add(id(backend))
+                attempts.insert(0, backend)
+            else:
+                backend.mark_down()
+                metrics.record(model=backend.model_name, instance_id=backend.instance_id, status=502,
+                               duration_s=time.perf_counter() - started, first_byte_s=None, error="connect")
+            continue
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            backend.in_flight -= 1
+            metrics.record(model=backend.model_name, instance_id=backend.instance_id, status=502,
+                           duration_s=time.perf_counter() - started, first_byte_s=None, error="upstream")
+            raise ProxyError(502, f"The backend failed before answering: {exc.__class__.__name__}: {exc}",
+                             code="upstream_error") from None
+        except BaseException:
+            backend.in_flight -= 1
+            raise
+        backend.down_until = 0.0
+        return UpstreamReply(backend=backend, response=response, started=started,
+                             first_byte_s=time.perf_counter() - started, request_id=request_id)
+    names = ", ".join(sorted({b.model_name for b in candidates}))
+    raise ProxyError(502, f"No backend for {names} accepted the connection ({last_exc}).",
+                     code="upstream_unreachable")
+
+
+
+
+class UpstreamPoolCollector:
+    """Leak indicators for soak tests and dashboards, read at scrape time: event-loop tasks, and
+    the pooled client's connections to backends (idle in the pool / in use)."""
+
+    def collect(self):
+        from prometheus_client.core import GaugeMetricFamily
+
+        try:
+            tasks = len(asyncio.all_tasks())
+        except RuntimeError:  # scraped outside the event loop
+            tasks = 0
+        yield GaugeMetricFamily("xgen_event_loop_tasks", "asyncio tasks alive in this process's loop", value=tasks)
+        conns = GaugeMetricFamily("xgen_proxy_upstream_connections", "Connections to backends", labels=["state"])
+        connector = _client.connector if _client is not None else None
+        idle = sum(len(v) for v in getattr(connector, "_conns", {}).values()) if connector else 0
+        in_use = len(getattr(connector, "_acquired", ())) if connector else 0
+        conns.add_metric(["idle"], idle)
+        conns.add_metric(["in_use"], in_use)
+        yield conns
+
+    def describe(self):
+        return []
+
+
+metrics.REGISTRY.register(UpstreamPoolCollector())
