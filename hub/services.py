@@ -145,6 +145,10 @@ def check_import_path(local_path: str, *, limit_to_import_dirs: bool = True) -> 
     """
     if not local_path or "\x00" in local_path:
         raise HubInputError("local_path is empty.")
+    try:
+        os.fsencode(local_path)
+    except UnicodeEncodeError:
+        raise HubInputError("local_path is not a valid file name on this server.") from None
     path = Path(local_path)
     if not path.is_absolute():
         raise HubInputError(f"local_path must be an absolute path on the server, not {local_path!r}.")

@@ -134,6 +134,8 @@ def test_a_path_outside_the_import_dirs_is_refused(imports, hub_dirs, operator, 
     for path in (elsewhere / "m.gguf", elsewhere, tiny_gguf, f"{imports}/../elsewhere/m.gguf", "/etc/passwd",
                  "/no/such/file.gguf"):
         _refused(_upload(operator.key, path), "not under XGEN_IMPORT_DIRS", str(imports))
+    with pytest.raises(services.HubInputError, match="not a valid file name"):  # the API's schema refuses it first
+        services.check_import_path(f"{imports}/\ud800.gguf")
     _store_is_empty(hub_dirs)
 
 
