@@ -2,16 +2,19 @@
 from __future__ import annotations
 
 import logging
+import os
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
+from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
 from hub.models import DOWNLOAD_ACTIVE, CacheEntry, DownloadJob, DownloadStatus, ModelArtifact, ModelFormat
 from hub.paths import FORMAT_ROOTS, InvalidPrefix, name_from_repo_id, prefix_for, validate_prefix
-from hub.store import ModelStore, StoredModel, get_store
+from hub.store import LocalFile, ModelStore, NotARegularFile, StoredModel, get_store, local_files
 
 log = logging.getLogger("xgen.hub")
 
@@ -89,26 +92,121 @@ def index_prefix(prefix: str, *, store: ModelStore | None = None, source_repo: s
     return _upsert_artifact(model, source_repo=source_repo, source_revision=source_revision)
 
 
-# --------------------------------------------------------------------------- uploads and deletes
-def validate_upload(*, local_path: str, format: str, name: str) -> tuple[str, Path]:
-    """Check an upload request before any transfer; returns (prefix, local path)."""
-    if format not in FORMAT_ROOTS:
-        raise HubInputError(f"Unknown format {format!r}: use gguf or huggingface.")
-    prefix = prefix_for(format, name)  # InvalidPrefix for a traversal attempt in name
+# --------------------------------------------------------------------------- local paths an upload may read
+def console_paths() -> list[tuple[str, Path]]:
+    """(what, resolved path) of the console's own folders and database files: no upload reads these.
+
+    The data dir holds the secret key and the SQLite database (sessions, key hashes); merely
+    opening and closing the live database file in this process drops its SQLite locks.
+    """
+    found = [("data dir (XGEN_DATA_DIR)", settings.DATA_DIR), ("store dir (XGEN_STORE_DIR)", settings.STORE_DIR),
+             ("models dir (XGEN_MODELS_DIR)", settings.MODELS_DIR), ("log dir (XGEN_LOG_DIR)", settings.LOG_DIR)]
+    for db in settings.DATABASES.values():
+        if "sqlite" not in db.get("ENGINE", ""):
+            continue
+        for name in (db.get("NAME"), (db.get("TEST") or {}).get("NAME")):
+            name = str(name or "")
+            if name and name != ":memory:" and not name.startswith("file:"):
+                found += [("database", Path(name + suffix)) for suffix in ("", "-wal", "-shm", "-journal")]
+    return [(what, Path(os.path.realpath(path))) for what, path in found]
+
+
+def _console_path_of(real: Path, own: list[tuple[str, Path]]) -> str | None:
+    return next((what for what, path in own if real.is_relative_to(path)), None)
+
+
+def _allowed(real: Path, import_dirs: list[Path] | None) -> bool:
+    return import_dirs is None or any(real.is_relative_to(d) for d in import_dirs)
+
+
+@dataclass(frozen=True)
+class ImportSource:
+    """A local path an upload may read: as named, resolved, and its files (all checked)."""
+
+    path: Path
+    real: Path
+    is_dir: bool
+    files: list[LocalFile]
+
+
+def check_import_path(local_path: str, *, limit_to_import_dirs: bool = True) -> ImportSource:
+    """Decide whether a local file or folder may be uploaded into the store; HubInputError if not.
+
+    The one check every upload goes through (the API, the Upload page, `manage.py hub_upload`), run
+    before anything is opened or written. On the resolved path (symlinks followed) of the path named
+    and of every file a folder holds:
+    - it must lie under one of settings.IMPORT_DIRS (XGEN_IMPORT_DIRS; none set: local uploads are
+      off). `limit_to_import_dirs=False` lifts this rule only, for `manage.py hub_upload`, which
+      runs as the host's admin;
+    - it must never lie inside the console's data, store, models or log dir, nor be its SQLite
+      database, and a folder named must not hold one of those;
+    - a folder must hold only regular files: a FIFO, socket or device refuses the whole upload.
+    The files returned are what the store uploads; `open_local` checks each is still the same file.
+    """
     if not local_path or "\x00" in local_path:
         raise HubInputError("local_path is empty.")
+    try:
+        os.fsencode(local_path)
+    except UnicodeEncodeError:
+        raise HubInputError("local_path is not a valid file name on this server.") from None
     path = Path(local_path)
     if not path.is_absolute():
         raise HubInputError(f"local_path must be an absolute path on the server, not {local_path!r}.")
-    if not path.exists():
-        raise HubInputError(f"{local_path} does not exist on the server.")
-    if format == ModelFormat.GGUF and path.is_file() and path.suffix != ".gguf":
+    import_dirs = None
+    if limit_to_import_dirs:
+        import_dirs = [Path(os.path.realpath(d)) for d in settings.IMPORT_DIRS]
+        if not import_dirs:
+            raise HubInputError("Uploads from local paths are off on this server: set XGEN_IMPORT_DIRS to the "
+                                "folders (comma separated) that uploads may read from.")
+    real = Path(os.path.realpath(path))
+    via = f" (it leads to {real})" if real != path else ""
+    if not _allowed(real, import_dirs):
+        raise HubInputError(f"{local_path}{via} is not under XGEN_IMPORT_DIRS "
+                            f"({', '.join(str(d) for d in import_dirs)}): uploads read only from those folders.")
+    own = console_paths()
+    what = _console_path_of(real, own)
+    if what:
+        raise HubInputError(f"{local_path}{via} is inside the console's {what}, which can never be uploaded.")
+    try:
+        is_dir = real.is_dir()
+        if is_dir:
+            held = next((w for w, p in own if p.is_relative_to(real)), None)
+            if held:
+                raise HubInputError(f"{local_path}{via} holds the console's {held}, which can never be uploaded.")
+        files = local_files(real) if is_dir else local_files(path)
+        if not is_dir and not files:
+            raise HubInputError(f"{local_path} does not exist on the server.")
+    except NotARegularFile as exc:
+        raise HubInputError(str(exc)) from None
+    except OSError as exc:
+        raise HubInputError(f"{local_path} cannot be read: {exc.strerror or exc}.") from None
+    for f in files:
+        if not _allowed(f.real, import_dirs):
+            raise HubInputError(f"{local_path} holds {f.path}, which leads to {f.real}, not under XGEN_IMPORT_DIRS: "
+                                "nothing was uploaded.")
+        what = _console_path_of(f.real, own)
+        if what:
+            raise HubInputError(f"{local_path} holds {f.path}, which leads into the console's {what}: "
+                                "nothing was uploaded.")
+    return ImportSource(path=path, real=real, is_dir=is_dir, files=files)
+
+
+# --------------------------------------------------------------------------- uploads and deletes
+def validate_upload(*, local_path: str, format: str, name: str,
+                    limit_to_import_dirs: bool = True) -> tuple[str, ImportSource]:
+    """Check an upload request before any transfer; returns (prefix, the checked local source)."""
+    if format not in FORMAT_ROOTS:
+        raise HubInputError(f"Unknown format {format!r}: use gguf or huggingface.")
+    prefix = prefix_for(format, name)  # InvalidPrefix for a traversal attempt in name
+    source = check_import_path(local_path, limit_to_import_dirs=limit_to_import_dirs)
+    names = [f.rel.rsplit("/", 1)[-1] for f in source.files]
+    if format == ModelFormat.GGUF and not source.is_dir and source.path.suffix != ".gguf":
         raise HubInputError(f"{local_path} is not a .gguf file.")
-    if format == ModelFormat.GGUF and path.is_dir() and not any(path.rglob("*.gguf")):
+    if format == ModelFormat.GGUF and source.is_dir and not any(n.endswith(".gguf") for n in names):
         raise HubInputError(f"{local_path} holds no .gguf file.")
-    if format == ModelFormat.HUGGINGFACE and not (path.is_dir() and any(path.rglob("config.json"))):
+    if format == ModelFormat.HUGGINGFACE and not (source.is_dir and "config.json" in names):
         raise HubInputError(f"{local_path} is not a Hugging Face model folder (no config.json).")
-    return prefix, path
+    return prefix, source
 
 
 def upload_local_model(
@@ -118,11 +216,17 @@ def upload_local_model(
     name: str,
     store: ModelStore | None = None,
     progress: Callable[[int, int], None] | None = None,
+    limit_to_import_dirs: bool = True,
 ) -> ModelArtifact:
-    """Upload a local file or folder (on this host) into the store as `<format>/<name>` and index it."""
-    prefix, path = validate_upload(local_path=local_path, format=format, name=name)
+    """Upload a local file or folder (on this host) into the store as `<format>/<name>` and index it.
+
+    Only what `check_import_path` allows; `limit_to_import_dirs=False` is for `manage.py hub_upload`.
+    """
+    prefix, source = validate_upload(local_path=local_path, format=format, name=name,
+                                     limit_to_import_dirs=limit_to_import_dirs)
     store = store or get_store()
-    store.upload_model(prefix, path, source={"local_path": str(path)}, progress=progress)
+    store.upload_model(prefix, source.real if source.is_dir else source.path, files=source.files,
+                       source={"local_path": str(source.path)}, progress=progress)
     return index_prefix(prefix, store=store)
 
 

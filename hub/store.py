@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import shutil
+import stat
 import threading
 import uuid
 from abc import ABC, abstractmethod
@@ -51,6 +52,10 @@ class StoreError(RuntimeError):
 
 class ObjectMissing(StoreError):
     """The object named does not exist in the store."""
+
+
+class NotARegularFile(StoreError):
+    """A local upload source that is a FIFO, socket or device (or became another file after its check)."""
 
 
 @dataclass(frozen=True)
@@ -123,22 +128,85 @@ def model_prefix_of(key: str) -> str | None:
     return f"{parts[0]}/{parts[1]}"
 
 
-def local_files(root: Path) -> list[tuple[str, Path]]:
-    """(relative posix path, absolute path) of every model file under a local folder or file."""
+@dataclass(frozen=True)
+class LocalFile:
+    """One file of a local model as the walk found it: its path in the store (`rel`), where the
+    walk found it (`path`, maybe a symlink), the file it resolves to (`real`), and that file's
+    size and identity, which `open_local` checks again when it opens the file."""
+
+    rel: str
+    path: Path
+    real: Path
+    size: int
+    dev: int
+    ino: int
+
+
+def _file_kind(mode: int) -> str:
+    for test, kind in ((stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"), (stat.S_ISCHR, "character device"),
+                       (stat.S_ISBLK, "block device"), (stat.S_ISDIR, "folder")):
+        if test(mode):
+            return kind
+    return "special file"
+
+
+def _local_file(rel: str, path: Path) -> LocalFile:
+    """Stat (never open) one file; a FIFO, socket or device raises NotARegularFile."""
+    st = os.stat(path)  # follows a symlink
+    if not stat.S_ISREG(st.st_mode):
+        through = " (through a symlink)" if path.is_symlink() else ""
+        raise NotARegularFile(f"{path} is a {_file_kind(st.st_mode)}{through}, not a regular file: "
+                              "nothing was uploaded.")
+    return LocalFile(rel=rel, path=path, real=Path(os.path.realpath(path)), size=st.st_size, dev=st.st_dev,
+                     ino=st.st_ino)
+
+
+def local_files(root: Path) -> list[LocalFile]:
+    """Every model file under a local folder (or the one file named), found without opening any.
+
+    Symlinked files are followed (`real` says where to); symlinked folders are not walked. A FIFO,
+    socket or device anywhere raises NotARegularFile before anything is read or written (a FIFO
+    would block the reader forever). Which of these files an upload may read is decided by
+    `hub.services.check_import_path`.
+    """
     root = Path(root)
-    if root.is_file():
-        return [(root.name, root)]
-    out: list[tuple[str, Path]] = []
+    if not root.is_dir():
+        try:
+            return [_local_file(root.name, root)]
+        except FileNotFoundError:
+            return []
+    out: list[LocalFile] = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d not in SKIPPED_DIRS)
         for name in sorted(filenames):
             if name == MANIFEST_NAME or name.endswith((PART_SUFFIX, ".part", ".lock", ".incomplete")):
                 continue
             path = Path(dirpath) / name
-            if path.is_symlink() and not path.resolve().is_file():
+            try:
+                out.append(_local_file(path.relative_to(root).as_posix(), path))
+            except FileNotFoundError:  # a dangling symlink, or gone since the listing
                 continue
-            out.append((path.relative_to(root).as_posix(), path))
     return out
+
+
+def open_local(local: LocalFile | Path) -> BinaryIO:
+    """Open a local file for upload: never blocks on a FIFO, reads only a regular file, and for a
+    LocalFile only the very file its walk checked (same device and inode, final symlink refused)."""
+    checked = local if isinstance(local, LocalFile) else None
+    path = checked.real if checked else Path(local)
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (os.O_NOFOLLOW if checked else 0)
+    fd = os.open(path, flags)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise NotARegularFile(f"{path} is a {_file_kind(st.st_mode)}, not a regular file.")
+        if checked and (st.st_dev, st.st_ino) != (checked.dev, checked.ino):
+            raise NotARegularFile(f"{checked.path} was replaced after it was checked; upload it again.")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 class _HashingReader(io.RawIOBase):
@@ -176,9 +244,9 @@ class ModelStore(ABC):
         """Every object whose key starts with `prefix` (recursive, sorted by key)."""
 
     @abstractmethod
-    def put_file(self, key: str, local: Path, *, progress: ByteProgress | None = None,
+    def put_file(self, key: str, local: LocalFile | Path, *, progress: ByteProgress | None = None,
                  cancel: threading.Event | None = None) -> tuple[StoreObject, str]:
-        """Upload one file; returns the stored object and the file's sha256."""
+        """Upload one file (opened with `open_local`); returns the stored object and the file's sha256."""
 
     @abstractmethod
     def put_bytes(self, key: str, data: bytes) -> StoreObject:
@@ -248,20 +316,25 @@ class ModelStore(ABC):
         prefix: str,
         local: Path,
         *,
+        files: list[LocalFile] | None = None,
         source: dict | None = None,
         progress: Callable[[int, int], None] | None = None,
         cancel: threading.Event | None = None,
     ) -> Manifest:
         """Upload a local folder (or one file) as `prefix`; the manifest goes last.
 
+        `files` is the walk of `local` already checked by `hub.services.check_import_path` (every
+        upload a user asks for comes that way); without it `local` is walked here, for the
+        console's own callers (the demo model, tests).
         The old manifest is deleted first and stale objects removed before the new manifest is
         written, so readers see either the old complete model, nothing loadable, or the new one.
         """
         prefix = validate_prefix(prefix)
-        files = local_files(Path(local))
+        if files is None:
+            files = local_files(Path(local))
         if not files:
             raise StoreError(f"{local} holds no files to upload.")
-        total = sum(p.stat().st_size for _, p in files)
+        total = sum(f.size for f in files)
         done = 0
         lock = threading.Lock()
 
@@ -274,9 +347,9 @@ class ModelStore(ABC):
 
         self.delete_keys([f"{prefix}/{MANIFEST_NAME}"])
         entries: list[ManifestFile] = []
-        for rel, path in files:
-            obj, sha = self.put_file(f"{prefix}/{rel}", path, progress=on_bytes, cancel=cancel)
-            entries.append(ManifestFile(path=rel, size=obj.size, etag=obj.etag, sha256=sha))
+        for f in files:
+            obj, sha = self.put_file(f"{prefix}/{f.rel}", f, progress=on_bytes, cancel=cancel)
+            entries.append(ManifestFile(path=f.rel, size=obj.size, etag=obj.etag, sha256=sha))
         keep = {f"{prefix}/{e.path}" for e in entries}
         stale = [o.key for o in self.list_files(prefix) if o.key not in keep]
         if stale:
@@ -358,8 +431,8 @@ class MinioModelStore(ModelStore):
 
     def put_file(self, key, local, *, progress=None, cancel=None):
         self._ensure_bucket()
-        size = Path(local).stat().st_size
-        with open(local, "rb") as fh:
+        with open_local(local) as fh:
+            size = os.fstat(fh.fileno()).st_size
             reader = _HashingReader(fh, progress, cancel)
             try:
                 result = self.client.put_object(self.bucket, key, reader, length=size,
@@ -480,7 +553,7 @@ class FilesystemModelStore(ModelStore):
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = dest.with_name(f"{dest.name}.{uuid.uuid4().hex[:8]}{PART_SUFFIX}")
         try:
-            with open(local, "rb") as src, open(tmp, "wb") as out:
+            with open_local(local) as src, open(tmp, "wb") as out:
                 reader = _HashingReader(src, progress, cancel)
                 while chunk := reader.read(CHUNK):
                     out.write(chunk)

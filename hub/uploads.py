@@ -71,9 +71,10 @@ def _server_loop() -> asyncio.AbstractEventLoop | None:
 
 
 def start_upload(*, local_path: str, format: str, name: str, user: str) -> UploadProgress:
-    """Validate now (errors raise before anything starts), then upload in a thread."""
-    prefix, path = services.validate_upload(local_path=local_path, format=format, name=name)
-    upload = UploadProgress(id=uuid.uuid4().hex[:12], prefix=prefix, local_path=str(path), user=user)
+    """Validate now (errors raise before anything starts: `services.check_import_path` decides which
+    local paths may be read), then upload in a thread (which checks the path again)."""
+    prefix, source = services.validate_upload(local_path=local_path, format=format, name=name)
+    upload = UploadProgress(id=uuid.uuid4().hex[:12], prefix=prefix, local_path=str(source.path), user=user)
     with _lock:
         _uploads[upload.id] = upload
         for old in sorted(_uploads.values(), key=lambda u: u.started_at)[:-KEEP]:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from django.conf import settings
 from django.contrib import messages
 from django.core.paginator import Paginator
 from django.db.models import Q
@@ -82,7 +83,8 @@ def models_refresh(request: HttpRequest) -> HttpResponse:
 @role_required(Role.OPERATOR)
 @require_http_methods(["GET", "POST"])
 def upload_page(request: HttpRequest) -> HttpResponse:
-    """Upload a file or folder on the web server's host into the store, with live progress."""
+    """Upload a file or folder on the web server's host into the store, with live progress (only paths
+    `services.check_import_path` allows: under XGEN_IMPORT_DIRS, outside the console's own dirs)."""
     form = {"local_path": "", "format": "gguf", "name": ""}
     status = 200
     if request.method == "POST":
@@ -95,8 +97,8 @@ def upload_page(request: HttpRequest) -> HttpResponse:
         else:
             messages.success(request, f"Uploading {upload.local_path} as {upload.prefix}.")
             return redirect("model-upload")
-    return render(request, "hub/upload.html", {"form": form, "formats": FORMAT_ROOTS, "uploads": recent_uploads()},
-                  status=status)
+    return render(request, "hub/upload.html", {"form": form, "formats": FORMAT_ROOTS, "uploads": recent_uploads(),
+                                               "import_dirs": [str(d) for d in settings.IMPORT_DIRS]}, status=status)
 
 
 @require_http_methods(["GET", "POST"])

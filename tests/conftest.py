@@ -214,6 +214,7 @@ def start_console(data_dir: Path, *, extra_env: dict | None = None, server: str 
         "XGEN_ADMIN_PASSWORD": "admin-pass-123",
         "XGEN_DEMO_MODEL": "false",
         "XGEN_HEARTBEAT_INTERVAL": "1",
+        "XGEN_IMPORT_DIRS": tempfile.gettempdir(),  # uploads from tmp paths (tiny_gguf), as in settings_test
         "PYTHONUNBUFFERED": "1",
         **(extra_env or {}),
     }

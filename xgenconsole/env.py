@@ -54,6 +54,25 @@ def env_list(name: str, default: list[str]) -> list[str]:
     return [item.strip() for item in raw.split(",") if item.strip()]
 
 
+def env_dirs(name: str, *, not_inside: dict[str, Path] | None = None) -> list[Path]:
+    """Comma-separated absolute folders, resolved (symlinks followed); empty when unset.
+
+    A relative entry is refused, and so is one equal to or inside a folder of `not_inside`
+    (setting name -> folder), e.g. an import dir inside the console's own data dir.
+    """
+    dirs: list[Path] = []
+    for item in env_list(name, []):
+        path = Path(item).expanduser()
+        if not path.is_absolute():
+            raise ImproperEnv(f"{name} takes absolute paths only, not {item!r}")
+        path = path.resolve()
+        for other, folder in (not_inside or {}).items():
+            if path.is_relative_to(Path(folder).resolve()):
+                raise ImproperEnv(f"{name} entry {item!r} lies inside {other} ({folder}), which no upload may read")
+        dirs.append(path)
+    return dirs
+
+
 def env_secret(name: str, default: str = "") -> str:
     """A secret from NAME, or from the file named by NAME_FILE (Docker/Kubernetes secrets)."""
     value = os.environ.get(name)

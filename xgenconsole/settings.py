@@ -7,6 +7,7 @@ from pathlib import Path
 from xgenconsole.env import (
     database_from_url,
     env_bool,
+    env_dirs,
     env_int,
     env_list,
     env_secret,
@@ -21,6 +22,9 @@ DATA_DIR.mkdir(parents=True, exist_ok=True)
 MODELS_DIR = Path(env_str("XGEN_MODELS_DIR", str(DATA_DIR / "models"))).resolve()
 STORE_DIR = Path(env_str("XGEN_STORE_DIR", str(DATA_DIR / "store"))).resolve()
 LOG_DIR = Path(env_str("XGEN_LOG_DIR", str(DATA_DIR / "logs"))).resolve()
+# Folders `POST /api/storage/upload` and the Upload page may read local paths from (none: off).
+IMPORT_DIRS = env_dirs("XGEN_IMPORT_DIRS", not_inside={"XGEN_DATA_DIR": DATA_DIR, "XGEN_MODELS_DIR": MODELS_DIR,
+                                                       "XGEN_STORE_DIR": STORE_DIR, "XGEN_LOG_DIR": LOG_DIR})
 
 SECRET_KEY = env_secret("XGEN_SECRET_KEY") or persistent_secret_key(DATA_DIR)
 DEBUG = env_bool("XGEN_DEBUG", False)

@@ -6,6 +6,9 @@ import tempfile
 
 _tmp = tempfile.mkdtemp(prefix="xgen-test-")
 os.environ["XGEN_DATA_DIR"] = _tmp
+# Tests upload from their tmp dirs (pytest's basetemp lies under the system temp dir); the
+# console's own dirs stay refused inside it. Tests of the rule set settings.IMPORT_DIRS themselves.
+os.environ["XGEN_IMPORT_DIRS"] = tempfile.gettempdir()
 os.environ.setdefault("XGEN_DEMO_MODEL", "false")
 atexit.register(shutil.rmtree, _tmp, True)
 

@@ -3,12 +3,22 @@ S3 endpoint)."""
 from __future__ import annotations
 
 import hashlib
+import os
+import socket
 import threading
 
 import pytest
 
 from hub.paths import MANIFEST_NAME, InvalidPrefix
-from hub.store import FilesystemModelStore, MinioModelStore, ObjectMissing, StoreError, get_store
+from hub.store import (
+    FilesystemModelStore,
+    MinioModelStore,
+    NotARegularFile,
+    ObjectMissing,
+    StoreError,
+    get_store,
+    local_files,
+)
 from tests.hub.conftest import make_model_dir
 
 FILES = {"config.json": b'{"a": 1}', "model.safetensors": b"\x01" * 300_000, "sub/tokenizer.json": b"{}"}
@@ -57,6 +67,63 @@ def test_an_interrupted_upload_never_looks_like_a_model(store, tmp_path):
     # The previous complete version was withdrawn first: nothing loadable remains.
     assert store.read_manifest("huggingface/m2") is None
     assert not store.scan_models()[0].complete
+
+
+def _in_thread(fn, timeout: float = 10.0):
+    """fn() in a thread: its result or exception, or a failure (not a hang) if it blocks."""
+    out: dict = {}
+
+    def run():
+        try:
+            out["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            out["error"] = exc
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout)
+    return t.is_alive(), out
+
+
+@pytest.mark.parametrize("special", ["fifo", "socket", "symlink-to-fifo"])
+def test_a_folder_with_a_special_file_is_refused_before_anything_is_written(store, tmp_path, special):
+    src = make_model_dir(tmp_path / "src", FILES)
+    store.upload_model("huggingface/m6", src)
+    before = store.read_manifest("huggingface/m6")
+    sock = None
+    if special == "fifo":
+        os.mkfifo(src / "sub" / "pipe")
+    elif special == "socket":
+        sock = socket.socket(socket.AF_UNIX)
+        sock.bind(str(src / "sub" / "sock"))
+    else:
+        os.mkfifo(tmp_path / "pipe")
+        (src / "pipe.json").symlink_to(tmp_path / "pipe")
+    try:
+        hung, out = _in_thread(lambda: store.upload_model("huggingface/m6", src))
+        if hung:  # release the reader stuck on the FIFO before failing
+            for fifo in (src / "sub" / "pipe", tmp_path / "pipe"):
+                if fifo.exists():
+                    os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        assert not hung, "the upload blocked on a special file"
+        assert isinstance(out.get("error"), NotARegularFile), out
+        assert "not a regular file" in str(out["error"])
+        # Refused before anything was written: the previous complete version is untouched.
+        assert store.read_manifest("huggingface/m6") == before
+    finally:
+        if sock is not None:
+            sock.close()
+
+
+def test_a_file_replaced_after_its_walk_is_not_uploaded(store, tmp_path):
+    src = make_model_dir(tmp_path / "src", FILES)
+    files = local_files(src)
+    other = tmp_path / "other"
+    other.write_bytes(b"not the checked file")
+    os.replace(other, src / "config.json")
+    with pytest.raises(NotARegularFile, match="replaced after it was checked"):
+        store.upload_model("huggingface/m7", src, files=files)
+    assert store.read_manifest("huggingface/m7") is None
 
 
 def test_a_cancelled_upload_stops_and_stays_incomplete(store, tmp_path):

@@ -6,6 +6,7 @@ from xgenconsole.env import (
     ImproperEnv,
     database_from_url,
     env_bool,
+    env_dirs,
     env_int,
     env_secret,
     persistent_secret_key,
@@ -48,6 +49,25 @@ def test_env_secret_reads_the_file_variant(monkeypatch, tmp_path: Path):
     monkeypatch.setenv("X_SECRET_FILE", str(tmp_path / "missing"))
     with pytest.raises(ImproperEnv, match="cannot be read"):
         env_secret("X_SECRET")
+
+
+def test_env_dirs_takes_absolute_folders_outside_the_consoles_own(monkeypatch, tmp_path: Path):
+    monkeypatch.delenv("X_DIRS", raising=False)
+    assert env_dirs("X_DIRS") == []
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    monkeypatch.setenv("X_DIRS", f" {tmp_path / 'link'} ,, {tmp_path / 'b'} ")
+    assert env_dirs("X_DIRS") == [(tmp_path / "real").resolve(), (tmp_path / "b").resolve()]
+    monkeypatch.setenv("X_DIRS", f"{tmp_path},models")
+    with pytest.raises(ImproperEnv, match="absolute paths only"):
+        env_dirs("X_DIRS")
+    data = tmp_path / "data"
+    for inside in (data, data / "imports"):
+        monkeypatch.setenv("X_DIRS", str(inside))
+        with pytest.raises(ImproperEnv, match="inside XGEN_DATA_DIR"):
+            env_dirs("X_DIRS", not_inside={"XGEN_DATA_DIR": data})
+    monkeypatch.setenv("X_DIRS", str(tmp_path))  # a folder above the data dir is allowed here
+    assert env_dirs("X_DIRS", not_inside={"XGEN_DATA_DIR": data}) == [tmp_path.resolve()]
 
 
 def test_secret_key_is_generated_once_and_private(tmp_path: Path):

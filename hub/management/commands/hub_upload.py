@@ -1,4 +1,11 @@
-"""manage.py hub_upload PATH --format gguf|huggingface --name NAME"""
+"""manage.py hub_upload PATH --format gguf|huggingface --name NAME
+
+Whoever runs this command already has a shell on the host as the console's user, so it is not
+limited to XGEN_IMPORT_DIRS (which bounds what the API and the Upload page may read). Every other
+rule of `hub.services.check_import_path` still holds: it refuses the console's own data, store,
+models and log dirs and its database (a copy would publish the secret key and the sessions, and
+opening the live database drops the server's SQLite locks), and FIFOs, sockets and devices.
+"""
 from __future__ import annotations
 
 import sys
@@ -13,7 +20,9 @@ from hub.store import StoreError, get_store
 
 
 class Command(BaseCommand):
-    help = "Upload a local GGUF file or model folder into the model store (manifest last) and index it."
+    help = ("Upload a local GGUF file or model folder into the model store (manifest last) and index it. "
+            "Any path on this host except the console's own data, store, models and log dirs "
+            "(not limited to XGEN_IMPORT_DIRS).")
 
     def add_arguments(self, parser) -> None:
         parser.add_argument("path", help="a .gguf file, or a folder (Hugging Face layout or GGUF files)")
@@ -34,7 +43,8 @@ class Command(BaseCommand):
 
         try:
             artifact = services.upload_local_model(local_path=str(Path(opts["path"]).resolve()), format=opts["format"],
-                                                   name=opts["name"], store=store, progress=progress)
+                                                   name=opts["name"], store=store, progress=progress,
+                                                   limit_to_import_dirs=False)
         except (InvalidPrefix, services.HubInputError) as exc:
             raise CommandError(str(exc)) from None
         except StoreError as exc:
