@@ -61,6 +61,7 @@ DEMO_MODEL = env_bool("XGEN_DEMO_MODEL", True)
 
 # Inference proxy.
 PROXY_MAX_BODY_BYTES = env_int("XGEN_PROXY_MAX_BODY", 16 * 1024 * 1024, minimum=1024)
+PROXY_MAX_SSE_EVENT_BYTES = env_int("XGEN_PROXY_MAX_SSE_EVENT", 8 * 1024 * 1024, minimum=1024)
 PROXY_CONNECT_TIMEOUT_S = env_int("XGEN_PROXY_CONNECT_TIMEOUT", 5, minimum=1)
 API_KEY_CACHE_S = env_int("XGEN_API_KEY_CACHE", 30, minimum=0)
 

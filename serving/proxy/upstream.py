@@ -124,39 +124,56 @@ class UpstreamReply:
 
         An SSE stream goes out in whole events: bytes after the last event boundary wait for the
         rest of their event, so a stream cut mid-event never glues its error event to half an event.
+        A waiting event may grow to PROXY_MAX_SSE_EVENT_BYTES; past that the stream ends with an
+        error event (a backend must not make the proxy hold, or rescan, an event without limit).
         """
         tail = b""
         sse = self.is_sse
         clean = False
-        partial = b""
+        pending: list[bytes] = []  # bytes after the last event boundary, in arrival order
+        pending_size = 0
+        limit = settings.PROXY_MAX_SSE_EVENT_BYTES
         try:
             async for chunk in self.response.content.iter_any():
                 tail = chunk[-USAGE_TAIL:] if len(chunk) >= USAGE_TAIL else (tail + chunk)[-USAGE_TAIL:]
                 if sse:
-                    chunk = partial + chunk
-                    end = _event_end(chunk)
-                    chunk, partial = chunk[:end], chunk[end:]
-                    if not chunk:
+                    # Only the new bytes are scanned (plus 3 before them, for a boundary that spans).
+                    edge = pending[-1][-3:] if pending else b""
+                    end = _event_end(edge + chunk) - len(edge)
+                    if end <= 0:
+                        pending.append(chunk)
+                        pending_size += len(chunk)
+                        if pending_size > limit:
+                            yield self._too_large(limit)
+                            return
                         continue
+                    out = b"".join([*pending, chunk[:end]])
+                    rest = chunk[end:]
+                    pending, pending_size = ([rest], len(rest)) if rest else ([], 0)
+                    chunk = out
                 yield chunk
             clean = True
-            if partial:
-                yield partial  # a last event without its blank line: the backend's own framing
+            if pending:
+                yield b"".join(pending)  # a last event without its blank line: the backend's own framing
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-            if sse and not partial and tail.rstrip().endswith(b"data: [DONE]"):
+            if sse and not pending and tail.rstrip().endswith(b"data: [DONE]"):
                 clean = True  # cut after its last event: the answer is whole, the lost framing is not news
                 return
             log.warning("backend %s broke off request %s: %s", self.backend.base_url, self.request_id, exc)
             self.finish(error="upstream_broken")
             if sse:
-                err = error_body(f"The backend stopped before finishing this answer ({exc.__class__.__name__}).",
-                                 status=502, code="upstream_error")
-                yield b"data: " + json.dumps(err).encode() + b"\n\n"
+                yield _error_event(f"The backend stopped before finishing this answer ({exc.__class__.__name__}).")
         finally:
             if clean:
                 self.finish(tail=tail)
             else:
                 self.finish(error=None, cancelled=True)
+
+    def _too_large(self, limit: int) -> bytes:
+        log.warning("backend %s sent an SSE event over %d bytes (request %s): stream ended",
+                    self.backend.base_url, limit, self.request_id)
+        self.finish(error="event_too_large")
+        return _error_event(f"The backend sent an SSE event larger than {limit} bytes; the stream was ended.")
 
     def finish(self, *, tail: bytes = b"", error: str | None = None, cancelled: bool = False) -> None:
         """Release the connection (closed unless fully read), count the request; idempotent."""
@@ -183,6 +200,10 @@ class UpstreamReply:
     def abort(self) -> None:
         """Close the upstream connection now (the client went away)."""
         self.finish(cancelled=True)
+
+
+def _error_event(message: str) -> bytes:
+    return b"data: " + json.dumps(error_body(message, status=502, code="upstream_error")).encode() + b"\n\n"
 
 
 def _event_end(data: bytes) -> int:

@@ -2,6 +2,7 @@
 kill between writes): the proxy's error event still arrives as an event of its own."""
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import threading
@@ -21,6 +22,7 @@ class CuttingBackend:
 
     def __init__(self) -> None:
         self.payload = EVENT + EVENT[:40]
+        self.hold_s = 0.0  # keep the connection open this long after the payload
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.thread = threading.Thread(target=self._serve, daemon=True)
@@ -44,6 +46,10 @@ class CuttingBackend:
                 payload = self.payload
                 conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
                              + f"{len(payload):x}\r\n".encode() + payload + b"\r\n")
+                if self.hold_s:
+                    conn.settimeout(self.hold_s)
+                    with contextlib.suppress(OSError):
+                        conn.recv(1)  # returns when the proxy closes, or after hold_s
 
     def stop(self) -> None:
         self.sock.close()
@@ -57,10 +63,10 @@ def cutting_backend() -> Iterator[CuttingBackend]:
     backend.stop()
 
 
-def _stream_through_console(tmp_path, consoles, backend, server: str = "uvicorn"):
+def _stream_through_console(tmp_path, consoles, backend, server: str = "uvicorn", extra_env: dict | None = None):
     """A console routing model `cut` to `backend`; the console and the stream's SSE events."""
     c = open_console(tmp_path / "console", server=server,
-                     extra_env={"XGEN_NODE_STALE_AFTER": "3600", "XGEN_NODE_OFFLINE_AFTER": "7200"})
+                     extra_env={"XGEN_NODE_STALE_AFTER": "3600", "XGEN_NODE_OFFLINE_AFTER": "7200", **(extra_env or {})})
     consoles.append(c)
     c.set_instances([{"name": "cut", "port": backend.port}])
     c.wait_models({"cut"})
@@ -84,4 +90,18 @@ def test_a_stream_cut_after_done_is_complete_without_an_error_event(tmp_path, co
     cutting_backend.payload = EVENT + b"data: [DONE]\n\n"
     c, events = _stream_through_console(tmp_path, consoles, cutting_backend)
     assert events == [EVENT.decode().strip(), "data: [DONE]"], events  # the answer was whole: no error after it
+    assert c.stop() == 0
+
+
+def test_an_event_past_the_size_limit_ends_the_stream_with_an_error(tmp_path, consoles, cutting_backend):
+    # 3 MiB with no blank line, then the backend keeps the stream open: the proxy must not wait
+    # for (or keep rescanning) an event without end. Today's limit here: 1 MiB.
+    cutting_backend.payload = EVENT + b"data: " + b"x" * (3 * 2**20)
+    cutting_backend.hold_s = 60
+    c, events = _stream_through_console(tmp_path, consoles, cutting_backend,
+                                        extra_env={"XGEN_PROXY_MAX_SSE_EVENT": str(2**20)})
+    assert events[0] == EVENT.decode().strip()
+    error = json.loads(events[-1].removeprefix("data: "))
+    assert error["error"]["code"] == "upstream_error" and "larger than 1048576 bytes" in error["error"]["message"]
+    assert len(events) == 2  # nothing of the oversized event reached the client
     assert c.stop() == 0
