@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """What the inference proxy costs: a backend called directly vs through the console, in one run.
 
-    python bench/proxy_overhead.py [--servers uvicorn,daphne] [--scale 1.0]
+    python bench/proxy_overhead.py [--servers uvicorn,daphne] [--scale 1.0] [--gaps 0.02,1.2,35]
 
 On loopback: a minimal fast upstream (aiohttp, OpenAI-shaped JSON and a fast SSE stream) for the
 overhead figures, and a real llama-cpp-python server on the tiny model for time to first chunk.
@@ -10,6 +10,10 @@ server: added latency p50/p99 for small non-streaming requests at concurrency 1,
 requests per second, time to first chunk, and throughput at 64 concurrent streams, each next to
 the direct baseline measured in the same run. Targets: added p50 <= 3 ms, TTFC <= +5 ms,
 throughput loss <= 10 % at 64 streams.
+
+A minimal pooled-aiohttp proxy (30 lines, below) runs beside the console as a second baseline,
+and the idle-gap probe sends one request to each target after idle gaps like a real client's
+(0.02 s, 1.2 s, 35 s): back-to-back benchmarks never see caches that expire between requests.
 """
 from __future__ import annotations
 
@@ -67,6 +71,38 @@ def run_upstream(port: int) -> None:
     app = web.Application()
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_get("/v1/models", models)
+    web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
+
+
+# ---------------------------------------------------------------- the minimal proxy (own process)
+def run_minimal_proxy(port: int, upstream_port: int) -> None:
+    """The least a Python proxy can do: one pooled aiohttp client, bytes passed through as they come."""
+    import aiohttp
+    from aiohttp import web
+
+    async def forward(request: web.Request) -> web.StreamResponse:
+        session = request.app["session"]
+        body = await request.read()
+        async with session.post(f"http://127.0.0.1:{upstream_port}{request.path}", data=body,
+                                headers={"Content-Type": "application/json"}) as upstream:
+            response = web.StreamResponse(status=upstream.status,
+                                          headers={"Content-Type": upstream.headers.get("Content-Type", "")})
+            await response.prepare(request)
+            async for chunk in upstream.content.iter_any():
+                await response.write(chunk)
+            await response.write_eof()
+            return response
+
+    async def start(app: web.Application) -> None:
+        app["session"] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+
+    async def close(app: web.Application) -> None:
+        await app["session"].close()
+
+    app = web.Application()
+    app.on_startup.append(start)
+    app.on_cleanup.append(close)
+    app.router.add_post("/v1/{tail:.*}", forward)
     web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
 
 
@@ -212,13 +248,15 @@ async def streams(session, url: str, headers: dict, body: dict, n: int, concurre
     return ttfc, time.perf_counter() - start, total_bytes
 
 
-async def measure(server: str, console: ConsoleProcess, fast_port: int, llama_port: int, scale: float) -> list[str]:
+async def measure(server: str, console: ConsoleProcess, fast_port: int, llama_port: int, minimal_port: int,
+                  scale: float) -> list[str]:
     import aiohttp
 
     auth = {"Authorization": f"Bearer {console.key}", "Content-Type": "application/json"}
     plain = {"Content-Type": "application/json"}
     direct_url = f"http://127.0.0.1:{fast_port}/v1/chat/completions"
     proxy_url = f"{console.url}/v1/chat/completions"
+    minimal_url = f"http://127.0.0.1:{minimal_port}/v1/chat/completions"
     lines = []
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
@@ -226,12 +264,21 @@ async def measure(server: str, console: ConsoleProcess, fast_port: int, llama_po
         await small_requests(session, proxy_url, auth, 200, 8)
         for concurrency, n in ((1, 400), (16, 2000), (64, 3000)):
             n = max(concurrency * 4, int(n * scale)) // ROUNDS * ROUNDS
-            d_lat, p_lat, d_wall, p_wall = [], [], 0.0, 0.0
-            for _ in range(ROUNDS):  # interleaved, so drift on a shared machine hits both sides
+            d_lat, p_lat, m_lat, d_wall, p_wall, m_wall = [], [], [], 0.0, 0.0, 0.0
+            for _ in range(ROUNDS):  # interleaved, so drift on a shared machine hits every side
                 lat, wall = await small_requests(session, direct_url, plain, n // ROUNDS, concurrency)
                 d_lat, d_wall = d_lat + lat, d_wall + wall
                 lat, wall = await small_requests(session, proxy_url, auth, n // ROUNDS, concurrency)
                 p_lat, p_wall = p_lat + lat, p_wall + wall
+                lat, wall = await small_requests(session, minimal_url, plain, n // ROUNDS, concurrency)
+                m_lat, m_wall = m_lat + lat, m_wall + wall
+            added = pct(p_lat, .5) - pct(d_lat, .5)
+            m_added = pct(m_lat, .5) - pct(d_lat, .5)
+            lines.append(
+                f"{server:8} small c={concurrency:<3} minimal proxy p50 {1000 * pct(m_lat, .5):6.2f} ms "
+                f"{n / m_wall:6.0f} req/s, added p50 {1000 * m_added:+6.2f} ms | console/minimal: added p50 "
+                f"{added / m_added if m_added > 0 else float('nan'):.2f}x, req/s {m_wall / p_wall:.2f}x"
+            )
             lines.append(
                 f"{server:8} small c={concurrency:<3} n={n:<5} direct p50 {1000 * pct(d_lat, .5):6.2f} ms "
                 f"p99 {1000 * pct(d_lat, .99):6.2f} ms {n / d_wall:6.0f} req/s | proxy p50 "
@@ -287,14 +334,56 @@ async def measure(server: str, console: ConsoleProcess, fast_port: int, llama_po
     return lines
 
 
+async def idle_gaps(targets: dict[str, tuple[str, dict]], gaps: list[float], samples: int) -> list[str]:
+    """One small request to each target after each idle gap; p50/p90 per gap, and each target's
+    added latency over direct as a ratio to the minimal proxy's."""
+    import aiohttp
+
+    body = json.dumps(SMALL).encode()
+    lines = []
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        for url, headers in targets.values():  # open every pool first: a gap, not a first connect, is measured
+            async with session.post(url, data=body, headers=headers) as r:
+                await r.read()
+        for gap in gaps:
+            times: dict[str, list[float]] = {name: [] for name in targets}
+            for _ in range(samples):
+                await asyncio.sleep(gap)
+                for name, (url, headers) in targets.items():
+                    t0 = time.perf_counter()
+                    async with session.post(url, data=body, headers=headers) as r:
+                        await r.read()
+                        assert r.status == 200, (name, r.status)
+                    times[name].append(time.perf_counter() - t0)
+            direct50, direct90 = pct(times["direct"], .5), pct(times["direct"], .9)
+            minimal50 = pct(times["minimal"], .5) - direct50
+            minimal90 = pct(times["minimal"], .9) - direct90
+            for name, values in times.items():
+                add50, add90 = pct(values, .5) - direct50, pct(values, .9) - direct90
+                ratio = "" if name in ("direct", "minimal") else (
+                    f" = {add50 / minimal50:.2f}x / {add90 / minimal90:.2f}x the minimal proxy's"
+                    if minimal50 > 0 and minimal90 > 0 else "")
+                lines.append(f"idle gap {gap:>5g} s n={samples:<3} {name:14} p50 {1000 * pct(values, .5):6.2f} ms "
+                             f"p90 {1000 * pct(values, .9):6.2f} ms | added p50 {1000 * add50:+6.2f} ms "
+                             f"p90 {1000 * add90:+6.2f} ms{ratio}")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[1])
     parser.add_argument("--servers", default="uvicorn,daphne")
     parser.add_argument("--scale", type=float, default=1.0, help="multiply request counts")
+    parser.add_argument("--gaps", default="0.02,1.2,35", help="idle gaps (s) for the probe; empty: skip it")
+    parser.add_argument("--gap-samples", type=int, default=6, help="requests per target per gap")
     parser.add_argument("--upstream", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--minimal-proxy", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.upstream:
         run_upstream(args.upstream)
+        return
+    if args.minimal_proxy:
+        port, upstream_port = args.minimal_proxy.split(":")
+        run_minimal_proxy(int(port), int(upstream_port))
         return
     sys.path.insert(0, str(REPO))
     procs: list[subprocess.Popen] = []
@@ -316,15 +405,31 @@ def main() -> None:
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             )
             procs.append(llama)
+            minimal_port = free_port()
+            minimal = subprocess.Popen([PYTHON, __file__, "--minimal-proxy", f"{minimal_port}:{fast_port}"])
+            procs.append(minimal)
             wait_http(f"http://127.0.0.1:{fast_port}/v1/models", upstream)
             wait_http(f"http://127.0.0.1:{llama_port}/v1/models", llama)
+            wait_http(f"http://127.0.0.1:{minimal_port}/v1/models", minimal)
             print(f"proxy overhead on loopback, {os.cpu_count()} CPUs; every 'direct' is measured in this run")
-            for server in args.servers.split(","):
-                console = ConsoleProcess(server, work, {"fast": fast_port, "tiny": llama_port})
-                try:
-                    for line in asyncio.run(measure(server, console, fast_port, llama_port, args.scale)):
+            plain = {"Content-Type": "application/json"}
+            targets = {"direct": (f"http://127.0.0.1:{fast_port}/v1/chat/completions", plain),
+                       "minimal": (f"http://127.0.0.1:{minimal_port}/v1/chat/completions", plain)}
+            consoles = []
+            try:
+                for server in args.servers.split(","):
+                    console = ConsoleProcess(server, work, {"fast": fast_port, "tiny": llama_port})
+                    consoles.append(console)
+                    targets[f"console-{server}"] = (f"{console.url}/v1/chat/completions",
+                                                    {**plain, "Authorization": f"Bearer {console.key}"})
+                    for line in asyncio.run(measure(server, console, fast_port, llama_port, minimal_port, args.scale)):
                         print(line, flush=True)
-                finally:
+                gaps = [float(g) for g in args.gaps.split(",") if g.strip()]
+                if gaps:
+                    for line in asyncio.run(idle_gaps(targets, gaps, args.gap_samples)):
+                        print(line, flush=True)
+            finally:
+                for console in consoles:
                     console.stop()
         finally:
             for proc in procs:
