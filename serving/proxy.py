@@ -21,13 +21,13 @@ from dataclasses import dataclass
 from http.cookies import SimpleCookie
 
 import aiohttp
-from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.contrib.auth.signals import user_logged_out
 
 from serving import metrics
 from serving.routing_table import Backend, routing_table
 from xgenconsole.auth import Principal, PrincipalCache, alookup_key, key_cache
+from xgenconsole.db import DatabaseUnavailable, db_async
 from xgenconsole.errors import error_body
 from xgenconsole.models import hash_key
 
@@ -127,25 +127,20 @@ def _session_principal(session_key: str) -> Principal | None:
     from importlib import import_module
 
     from django.contrib.auth import get_user
-    from django.db import close_old_connections
 
-    close_old_connections()
-    try:
-        store = import_module(settings.SESSION_ENGINE).SessionStore(session_key)
+    store = import_module(settings.SESSION_ENGINE).SessionStore(session_key)
 
-        class _SessionOnly:  # get_user() reads nothing but request.session
-            session = store
+    class _SessionOnly:  # get_user() reads nothing but request.session
+        session = store
 
-        user = get_user(_SessionOnly)
-        if not user.is_authenticated or not user.is_active:
-            return None
-        role = "admin" if user.is_superuser else user.role
-        return Principal(user_id=user.pk, username=user.username, role=role, key_id=0)
-    finally:
-        close_old_connections()
+    user = get_user(_SessionOnly)
+    if not user.is_authenticated or not user.is_active:
+        return None
+    role = "admin" if user.is_superuser else user.role
+    return Principal(user_id=user.pk, username=user.username, role=role, key_id=0)
 
 
-_asession_principal = sync_to_async(_session_principal, thread_sensitive=False)
+_asession_principal = db_async(_session_principal)
 
 
 def _csrf_ok(headers: dict[bytes, bytes], cookies: SimpleCookie) -> bool:
@@ -549,7 +544,15 @@ async def proxy_app(scope, receive, send) -> None:
         await send(message)
 
     try:
-        await _handle(scope, receive, tracked_send, headers, request_id)
+        try:
+            await _handle(scope, receive, tracked_send, headers, request_id)
+        except DatabaseUnavailable as exc:
+            # A key or session lookup, or the first routing table, needs the database and it is
+            # down (restarting): a clean, retryable answer; the next request tries again.
+            log.warning("database unavailable for %s %s (request %s): %s", scope.get("method"), scope.get("path"),
+                        request_id, exc)
+            raise ProxyError(503, "The database is unavailable; try again in a moment.",
+                             code="database_unavailable", headers=[(b"retry-after", b"1")]) from None
     except ProxyError as exc:
         metrics.record_rejected(exc.code or str(exc.status))
         if not state["started"]:
