@@ -2,7 +2,8 @@
 detects hardware, runs downloads and cache syncs, and supervises backend processes.
 
 It runs in `manage.py nodeagent` or inside `manage.py serve` (same event loop as the web
-server). Database work goes through `sync_to_async`; nothing here blocks the loop.
+server). Database work goes through xgenconsole.db.run_db (the agent outlives database
+restarts: every call gets a working connection); nothing here blocks the loop.
 """
 from __future__ import annotations
 
@@ -12,14 +13,13 @@ import logging
 import os
 from pathlib import Path
 
-from asgiref.sync import sync_to_async
 from channels.layers import get_channel_layer
 from django.conf import settings
-from django.db import close_old_connections
 
 from hardware.inventory import InventoryWorker
 from hardware.services import record_heartbeat, register_node
 from hub.worker import HubWorker
+from xgenconsole.db import run_db
 
 log = logging.getLogger("xgen.agent")
 
@@ -117,7 +117,7 @@ class NodeAgent:
             self.release_lock()
 
     async def start(self) -> None:
-        await sync_to_async(register_node)(name=self.name, address=self.address)
+        await run_db(register_node, name=self.name, address=self.address)
         log.info("node agent %s registered (address %s, pid %s)", self.name, self.address, os.getpid())
         for worker in self.workers:
             await worker.start(self)
@@ -160,12 +160,11 @@ class NodeAgent:
         while True:
             await asyncio.sleep(settings.HEARTBEAT_INTERVAL_S)
             try:
-                await sync_to_async(self._heartbeat)()
+                await run_db(self._heartbeat)
             except Exception:
                 log.exception("heartbeat failed; retrying")
 
     def _heartbeat(self) -> None:
-        close_old_connections()
         # Workers that own backend processes expose them as `runs` (the supervisor).
         running = sum(len(getattr(w, "runs", {})) for w in self.workers)
         record_heartbeat(name=self.name, instances_running=running)
