@@ -8,6 +8,7 @@ restarts: every call gets a working connection); nothing here blocks the loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import logging
 import os
@@ -19,7 +20,7 @@ from django.conf import settings
 from hardware.inventory import InventoryWorker
 from hardware.services import record_heartbeat, register_node
 from hub.worker import HubWorker
-from xgenconsole.db import run_db
+from xgenconsole.db import DatabaseUnavailable, run_db
 
 log = logging.getLogger("xgen.agent")
 
@@ -161,6 +162,8 @@ class NodeAgent:
             await asyncio.sleep(settings.HEARTBEAT_INTERVAL_S)
             try:
                 await run_db(self._heartbeat)
+            except DatabaseUnavailable as exc:  # a restart: no traceback every second
+                log.warning("heartbeat failed, the database is unavailable (%s); retrying", exc)
             except Exception:
                 log.exception("heartbeat failed; retrying")
 
@@ -170,15 +173,45 @@ class NodeAgent:
         record_heartbeat(name=self.name, instances_running=running)
 
     async def _nudge_listener(self) -> None:
-        """Web processes `group_send` to node.<name>; any message wakes the reconcile loop."""
+        """Web processes `group_send` to node.<name>; any message wakes the reconcile loop.
+
+        Outlives the channel layer: a receive that fails (Redis down) starts over on a new
+        channel a second later, and the group membership is renewed every reconcile interval,
+        since a Redis restarted without persistence has forgotten it (and channels-redis drops
+        members after its group expiry). A lost nudge only waits for the next reconcile.
+        """
         layer = get_channel_layer()
         if layer is None:
             return
-        channel = await layer.new_channel("agent.")
-        await layer.group_add(node_group(self.name), channel)
-        try:
-            while True:
-                await layer.receive(channel)
-                self._wake.set()
-        finally:
-            await layer.group_discard(node_group(self.name), channel)
+        group = node_group(self.name)
+        while True:
+            channel = None
+            renew = None
+            try:
+                channel = await layer.new_channel("agent.")
+                await layer.group_add(group, channel)
+                renew = asyncio.create_task(self._renew_membership(layer, group, channel))
+                while True:
+                    await layer.receive(channel)
+                    self._wake.set()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("nudges: the channel layer failed (%s: %s); listening again in 1 s",
+                            exc.__class__.__name__, exc)
+            finally:
+                if renew is not None:
+                    renew.cancel()
+                if channel is not None:
+                    with contextlib.suppress(Exception):
+                        await layer.group_discard(group, channel)
+            await asyncio.sleep(1)
+
+    @staticmethod
+    async def _renew_membership(layer, group: str, channel: str) -> None:
+        while True:
+            await asyncio.sleep(settings.RECONCILE_INTERVAL_S)
+            try:
+                await layer.group_add(group, channel)
+            except Exception as exc:  # the receive loop notices a layer that is gone for good
+                log.warning("nudges: renewing the %s membership failed: %s", group, exc)
