@@ -5,11 +5,11 @@ own card and the summary, so a large cluster does not re-send every card every f
 """
 from __future__ import annotations
 
-from asgiref.sync import sync_to_async
 from django.template.loader import render_to_string
 
 from hardware.allocation import node_card, overview
 from hardware.models import Node
+from xgenconsole.db import run_db
 from xgenconsole.live import publish
 
 GPUS_GROUP = "gpus"
@@ -37,11 +37,11 @@ def render_node_update(node_name: str) -> list[tuple[str, str]]:
 
 async def publish_gpus() -> None:
     """Send every node card to every browser on the GPUs page."""
-    html = await sync_to_async(render_gpu_nodes)(oob=True)
+    html = await run_db(render_gpu_nodes, oob=True)
     await publish(GPUS_GROUP, html, key=NODES_ELEMENT_ID)
 
 
 async def publish_node(node_name: str) -> None:
     """Send one node's refreshed card and the summary to every browser on the GPUs page."""
-    for key, html in await sync_to_async(render_node_update)(node_name):
+    for key, html in await run_db(render_node_update, node_name):
         await publish(GPUS_GROUP, html, key=key)

@@ -9,9 +9,7 @@ import asyncio
 import logging
 from typing import Any
 
-from asgiref.sync import sync_to_async
 from django.conf import settings
-from django.db import close_old_connections
 
 from hardware.backends import probe_backends
 from hardware.detectors import DETECTORS, DetectionReport, Detector, detect
@@ -19,6 +17,7 @@ from hardware.detectors.base import DetectorAttempt, DetectorUnavailable
 from hardware.detectors.cpu import cpu_percent, read_cpu_info, read_cpu_times
 from hardware.events import publish_gpus, publish_node
 from hardware.services import InventoryResult, save_inventory
+from xgenconsole.db import run_db
 
 log = logging.getLogger("xgen.hardware")
 
@@ -65,7 +64,7 @@ class InventoryWorker:
         self.report = result.report
         chain = self.chain if self.chain is not None else [cls() for cls in DETECTORS.values()]
         self._detector = next((d for d in chain if d.name == result.report.detector), None)
-        await sync_to_async(self._save)(agent.name, result)
+        await run_db(save_inventory, node_name=agent.name, result=result)
         log.info("hardware on %s: detector %s, %d GPU(s), backends %s", agent.name, result.report.detector,
                  len(result.report.gpus), [b["name"] for b in result.backends or [] if b["available"]])
         await publish_gpus()
@@ -87,14 +86,9 @@ class InventoryWorker:
         result.report.cpu.percent = cpu_percent(self._cpu_times, times)
         self._cpu_times = times
         self.report = result.report
-        await sync_to_async(self._save)(agent.name, result)
+        await run_db(save_inventory, node_name=agent.name, result=result)
         await publish_node(agent.name)
 
     async def stop(self, agent: Any) -> None:
         """Nothing to stop: the worker owns no process."""
         return None
-
-    @staticmethod
-    def _save(node_name: str, result: InventoryResult) -> None:
-        close_old_connections()
-        save_inventory(node_name=node_name, result=result)

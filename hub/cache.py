@@ -25,11 +25,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from django.conf import settings
-from django.db import close_old_connections
 from django.utils import timezone
 
 from hub.paths import MANIFEST_NAME, InvalidPrefix, safe_join, validate_prefix
 from hub.store import Manifest, ManifestFile, ModelStore, StoreError, get_store
+from xgenconsole.db import run_db_sync
 
 log = logging.getLogger("xgen.hub.cache")
 
@@ -382,14 +382,12 @@ def sync_to_cache(
 
 
 def _safe_record(node_name: str, prefix: str, **fields) -> None:
+    # A sync runs on worker threads that outlive database restarts: the bridge gives each
+    # record a working connection (closed around it, retried once if lost).
     try:
-        _cache_entry(node_name, prefix, **fields)
+        run_db_sync(_cache_entry, node_name, prefix, **fields)
     except Exception:  # bookkeeping must never fail a sync
         log.warning("could not record cache state of %s on %s", prefix, node_name, exc_info=True)
-        try:
-            close_old_connections()
-        except Exception:
-            pass
 
 
 def resolve_model_path(local_dir: Path, fmt: str, filename: str | None = None) -> Path:

@@ -19,14 +19,13 @@ import sys
 import threading
 from pathlib import Path
 
-from asgiref.sync import sync_to_async
 from django.conf import settings
-from django.db import close_old_connections
 
 from hub import services
 from hub.events import publish_job
 from hub.models import DownloadJob, DownloadStatus, ModelArtifact
 from hub.store import ModelStore, get_store
+from xgenconsole.db import db_async, run_db
 
 log = logging.getLogger("xgen.hub.downloads")
 
@@ -38,19 +37,10 @@ class JobCancelled(Exception):
     pass
 
 
-def _db(fn):
-    """Run a DB function in a thread with fresh connections (the agent lives for days)."""
-
-    def call(*args, **kwargs):
-        close_old_connections()
-        return fn(*args, **kwargs)
-
-    return sync_to_async(call, thread_sensitive=False)
-
-
-_get_job = _db(lambda job_id: DownloadJob.objects.get(pk=job_id))
-_update = _db(services.update_job)
-_finish = _db(services.finish_job)
+# Through the one DB bridge (the agent lives for days, across database restarts).
+_get_job = db_async(lambda job_id: DownloadJob.objects.get(pk=job_id))
+_update = db_async(services.update_job)
+_finish = db_async(services.finish_job)
 
 
 def _staging_name(path: str) -> str:
@@ -202,8 +192,8 @@ async def run_download_job(job_id: int, *, node_name: str, store: ModelStore | N
             if cancel.is_set():
                 raise JobCancelled() from None
             raise
-        await _db(services.index_prefix)(job.target_prefix, store=store, source_repo=job.repo_id,
-                                         source_revision=job.revision or "main")
+        await run_db(services.index_prefix, job.target_prefix, store=store, source_repo=job.repo_id,
+                     source_revision=job.revision or "main")
         await _update(job.pk, bytes_done=total)
         job = await _finish(job.pk, status=DownloadStatus.COMPLETED)
     except JobCancelled:
@@ -230,4 +220,4 @@ async def run_download_job(job_id: int, *, node_name: str, store: ModelStore | N
 async def _withdraw(job: DownloadJob) -> None:
     """After an upload that failed or was cancelled nothing may look loadable: the upload
     deleted the old manifest before its first byte; the index row says so as well."""
-    await _db(lambda: ModelArtifact.objects.filter(prefix=job.target_prefix).update(complete=False))()
+    await run_db(lambda: ModelArtifact.objects.filter(prefix=job.target_prefix).update(complete=False))

@@ -6,6 +6,7 @@ import logging
 from django.template.loader import render_to_string
 
 from hub.models import DownloadJob
+from xgenconsole.db import run_db
 from xgenconsole.live import publish, publish_sync
 
 log = logging.getLogger("xgen.hub.events")
@@ -23,10 +24,8 @@ def render_job_row(job: DownloadJob, *, oob: bool = False, can_cancel: bool = Tr
 
 async def publish_job(job: DownloadJob) -> None:
     """Send the job's table row (progress bar, status, per-file table) to every Downloads page."""
-    from asgiref.sync import sync_to_async
-
     try:
-        html = await sync_to_async(render_job_row)(job, oob=True)
+        html = await run_db(render_job_row, job, oob=True)  # the row may read related rows
     except Exception:  # a page fragment must never fail the download itself
         log.warning("could not render job %s", job.pk, exc_info=True)
         return

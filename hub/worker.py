@@ -4,11 +4,9 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from asgiref.sync import sync_to_async
-from django.db import close_old_connections
-
 from hub import services
 from hub.downloads import run_download_job
+from xgenconsole.db import db_async, run_db
 
 log = logging.getLogger("xgen.hub.worker")
 
@@ -16,13 +14,8 @@ INDEX_REFRESH_S = 60
 JOB_POLL_S = 1.0
 MAX_PARALLEL_DOWNLOADS = 2
 
-
-def _fresh(fn):
-    def call(*args, **kwargs):
-        close_old_connections()
-        return fn(*args, **kwargs)
-
-    return sync_to_async(call, thread_sensitive=False)
+# Not retried on a lost connection: had the first claim committed, a second would take a second job.
+_claim_next_job = db_async(services.claim_next_job, retry=False)
 
 
 class HubWorker:
@@ -37,9 +30,9 @@ class HubWorker:
     async def start(self, agent) -> None:
         from hub.demo import ensure_demo_model
 
-        await _fresh(services.fail_orphaned_jobs)(node_name=agent.name)
+        await run_db(services.fail_orphaned_jobs, node_name=agent.name)
         try:
-            await _fresh(ensure_demo_model)()
+            await run_db(ensure_demo_model)
         except Exception:
             log.exception("could not put the demo model in the store")
 
@@ -48,7 +41,7 @@ class HubWorker:
         next_refresh = loop.time()  # the first pass indexes the store at once
         while True:
             while len(self._jobs) < MAX_PARALLEL_DOWNLOADS:
-                job = await _fresh(services.claim_next_job)(node_name=agent.name)
+                job = await _claim_next_job(node_name=agent.name)
                 if job is None:
                     break
                 log.info("download %s: %s claimed by %s", job.pk, job.repo_id, agent.name)
@@ -58,7 +51,7 @@ class HubWorker:
             if loop.time() >= next_refresh:
                 next_refresh = loop.time() + INDEX_REFRESH_S
                 try:
-                    await _fresh(services.refresh_index)()
+                    await run_db(services.refresh_index)
                 except Exception:
                     log.warning("store index refresh failed", exc_info=True)
             await asyncio.sleep(JOB_POLL_S)

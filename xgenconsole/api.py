@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 
 from django.contrib.auth.decorators import login_required
+from django.db import InterfaceError, OperationalError
 from django.http import Http404, HttpRequest
 from ninja import NinjaAPI
 from ninja.errors import AuthenticationError, AuthorizationError, HttpError, ValidationError
@@ -13,6 +14,7 @@ from hub.api import download_router, storage_router
 from serving.api import management_router
 from serving.inference_api import router as inference_router
 from xgenconsole.auth import api_auth
+from xgenconsole.db import connection_lost
 from xgenconsole.errors import ApiError, json_error
 
 log = logging.getLogger(__name__)
@@ -69,6 +71,15 @@ def on_http_error(request: HttpRequest, exc: HttpError):
 @api.exception_handler(Http404)
 def on_not_found(request: HttpRequest, exc: Http404):
     return json_error(404, str(exc) or "Not found.", code="not_found")
+
+
+@api.exception_handler(OperationalError)  # DatabaseUnavailable included
+@api.exception_handler(InterfaceError)
+def on_database_error(request: HttpRequest, exc: Exception):
+    if not connection_lost(exc):
+        return on_unexpected(request, exc)
+    log.warning("database unavailable on %s %s: %s", request.method, request.path, exc)
+    return json_error(503, "The database is unavailable; try again in a moment.", code="database_unavailable")
 
 
 @api.exception_handler(Exception)

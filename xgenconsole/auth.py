@@ -6,13 +6,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.contrib.auth.middleware import LoginRequiredMiddleware
 from django.http import HttpRequest
 from django.utils import timezone
 from ninja.security import HttpBearer, SessionAuth
 
+from xgenconsole.db import db_async
 from xgenconsole.errors import ApiError
 from xgenconsole.models import ApiKey, User, hash_key
 
@@ -97,7 +97,9 @@ def lookup_key(raw: str) -> Principal | None:
     return principal
 
 
-alookup_key = sync_to_async(lookup_key, thread_sensitive=False)
+# Through the one DB bridge: a worker thread's connection is closed around each lookup and a
+# lookup whose connection was lost (a database restart) runs again on a new one.
+alookup_key = db_async(lookup_key)
 
 
 class _RoleCheck:

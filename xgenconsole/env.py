@@ -124,6 +124,9 @@ def database_from_url(url: str, *, data_dir: Path) -> dict:
         }
     if scheme in {"postgres", "postgresql", "pgsql"}:
         options = {k: v[-1] for k, v in parse_qs(parts.query).items()}
+        # An unreachable server answers 503 within seconds rather than holding a worker thread
+        # for the TCP timeout (minutes). `?connect_timeout=N` in the URL overrides it.
+        options.setdefault("connect_timeout", "5")
         return {
             "ENGINE": "django.db.backends.postgresql",
             "NAME": unquote(parts.path.lstrip("/")) or "postgres",
@@ -132,6 +135,10 @@ def database_from_url(url: str, *, data_dir: Path) -> dict:
             "HOST": parts.hostname or "",
             "PORT": str(parts.port or ""),
             "OPTIONS": options,
+            # No persistent connections (Django's advice under ASGI: worker threads come and go);
+            # should CONN_MAX_AGE be raised, each reuse is health-checked first. Off the request
+            # cycle, xgenconsole.db.run_db does what request_started/finished do.
             "CONN_MAX_AGE": 0,
+            "CONN_HEALTH_CHECKS": True,
         }
     raise ImproperEnv(f"DATABASE_URL scheme {scheme!r} is not supported (use sqlite:// or postgres://)")

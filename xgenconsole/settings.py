@@ -130,10 +130,16 @@ DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 REDIS_URL = env_secret("REDIS_URL")
 if REDIS_URL:
+    from redis.asyncio.retry import Retry
+    from redis.backoff import ExponentialBackoff
+
     CHANNEL_LAYERS = {
         "default": {
             "BACKEND": "channels_redis.core.RedisChannelLayer",
-            "CONFIG": {"hosts": [REDIS_URL], "capacity": 1000, "expiry": 30},
+            # redis-py's pooled connections retry nothing by default: after a Redis restart each
+            # one failed its next command (a websocket handshake, a publish). Reconnect and retry.
+            "CONFIG": {"hosts": [{"address": REDIS_URL, "retry": Retry(ExponentialBackoff(cap=1.0, base=0.05), 3)}],
+                       "capacity": 1000, "expiry": 30},
         }
     }
 else:

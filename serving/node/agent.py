@@ -2,20 +2,20 @@
 detects hardware, runs downloads and cache syncs, and supervises backend processes.
 
 It runs in `manage.py nodeagent` or inside `manage.py serve` (same event loop as the web
-server). Database work goes through `sync_to_async`; nothing here blocks the loop.
+server). Database work goes through xgenconsole.db.run_db (the agent outlives database
+restarts: every call gets a working connection); nothing here blocks the loop.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import logging
 import os
 from pathlib import Path
 
-from asgiref.sync import sync_to_async
 from channels.layers import get_channel_layer
 from django.conf import settings
-from django.db import close_old_connections
 
 from hardware.inventory import InventoryWorker
 from hardware.services import record_heartbeat, register_node
@@ -23,6 +23,7 @@ from hub.worker import HubWorker
 from serving.events import node_group
 from serving.node.supervisor import Supervisor
 from serving.node.worker import AgentWorker
+from xgenconsole.db import DatabaseUnavailable, run_db
 
 log = logging.getLogger("xgen.agent")
 
@@ -93,7 +94,7 @@ class NodeAgent:
             self.release_lock()
 
     async def start(self) -> None:
-        await sync_to_async(register_node)(name=self.name, address=self.address)
+        await run_db(register_node, name=self.name, address=self.address)
         log.info("node agent %s registered (address %s, pid %s)", self.name, self.address, os.getpid())
         for worker in self.workers:
             await worker.start(self)
@@ -136,26 +137,57 @@ class NodeAgent:
         while True:
             await asyncio.sleep(settings.HEARTBEAT_INTERVAL_S)
             try:
-                await sync_to_async(self._heartbeat)()
+                await run_db(self._heartbeat)
+            except DatabaseUnavailable as exc:  # a restart: no traceback every second
+                log.warning("heartbeat failed, the database is unavailable (%s); retrying", exc)
             except Exception:
                 log.exception("heartbeat failed; retrying")
 
     def _heartbeat(self) -> None:
-        close_old_connections()
         # Workers that own backend processes expose them as `runs` (the supervisor).
         running = sum(len(getattr(w, "runs", {})) for w in self.workers)
         record_heartbeat(name=self.name, instances_running=running)
 
     async def _nudge_listener(self) -> None:
-        """Web processes `group_send` to node.<name>; any message wakes the reconcile loop."""
+        """Web processes `group_send` to node.<name>; any message wakes the reconcile loop.
+
+        Outlives the channel layer: a receive that fails (Redis down) starts over on a new
+        channel a second later, and the group membership is renewed every reconcile interval,
+        since a Redis restarted without persistence has forgotten it (and channels-redis drops
+        members after its group expiry). A lost nudge only waits for the next reconcile.
+        """
         layer = get_channel_layer()
         if layer is None:
             return
-        channel = await layer.new_channel("agent.")
-        await layer.group_add(node_group(self.name), channel)
-        try:
-            while True:
-                await layer.receive(channel)
-                self._wake.set()
-        finally:
-            await layer.group_discard(node_group(self.name), channel)
+        group = node_group(self.name)
+        while True:
+            channel = None
+            renew = None
+            try:
+                channel = await layer.new_channel("agent.")
+                await layer.group_add(group, channel)
+                renew = asyncio.create_task(self._renew_membership(layer, group, channel))
+                while True:
+                    await layer.receive(channel)
+                    self._wake.set()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("nudges: the channel layer failed (%s: %s); listening again in 1 s",
+                            exc.__class__.__name__, exc)
+            finally:
+                if renew is not None:
+                    renew.cancel()
+                if channel is not None:
+                    with contextlib.suppress(Exception):
+                        await layer.group_discard(group, channel)
+            await asyncio.sleep(1)
+
+    @staticmethod
+    async def _renew_membership(layer, group: str, channel: str) -> None:
+        while True:
+            await asyncio.sleep(settings.RECONCILE_INTERVAL_S)
+            try:
+                await layer.group_add(group, channel)
+            except Exception as exc:  # the receive loop notices a layer that is gone for good
+                log.warning("nudges: renewing the %s membership failed: %s", group, exc)

@@ -22,9 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import httpx
-from asgiref.sync import sync_to_async
 from django.conf import settings
-from django.db import close_old_connections
 from django.utils import timezone
 
 from serving import events
@@ -45,6 +43,7 @@ from serving.node.worker import AgentWorker
 from serving.placement import PlacementError, pick_port
 from serving.selection import choose_backend, node_gpu_type
 from serving.services import gguf_in_dir, save_log_tail, transition
+from xgenconsole.db import db_async
 
 if TYPE_CHECKING:
     from serving.node.agent import NodeAgent
@@ -67,13 +66,10 @@ class LoadFailed(Exception):
 
 
 def _db(fn):
-    """Run a DB function off the loop, with stale connections closed first."""
-
-    def call(*args, **kwargs):
-        close_old_connections()
-        return fn(*args, **kwargs)
-
-    return sync_to_async(call)
+    """`fn` through the one DB bridge, in asgiref's one shared thread (thread_sensitive): the
+    supervisor's writes then land in the order it makes them (a cache-progress update sent from
+    the copy thread can never overtake the LOADING transition that follows it)."""
+    return db_async(fn, thread_sensitive=True)
 
 
 db_transition = _db(transition)

@@ -24,6 +24,7 @@ from serving.proxy.auth import authenticate
 from serving.proxy.errors import ProxyError
 from serving.proxy.replicas import Backend, routing_table
 from serving.proxy.upstream import UpstreamReply, open_upstream
+from xgenconsole.db import DatabaseUnavailable
 from xgenconsole.errors import error_body
 
 log = logging.getLogger("xgen.proxy")
@@ -196,7 +197,15 @@ async def proxy_app(scope, receive, send) -> None:
         await send(message)
 
     try:
-        await _handle(scope, receive, tracked_send, headers, request_id)
+        try:
+            await _handle(scope, receive, tracked_send, headers, request_id)
+        except DatabaseUnavailable as exc:
+            # A key or session lookup, or the first routing table, needs the database and it is
+            # down (restarting): a clean, retryable answer; the next request tries again.
+            log.warning("database unavailable for %s %s (request %s): %s", scope.get("method"), scope.get("path"),
+                        request_id, exc)
+            raise ProxyError(503, "The database is unavailable; try again in a moment.",
+                             code="database_unavailable", headers=[(b"retry-after", b"1")]) from None
     except ProxyError as exc:
         metrics.record_rejected(exc.code or str(exc.status))
         if not state["started"]:

@@ -3,12 +3,12 @@ from __future__ import annotations
 
 from http.cookies import SimpleCookie
 
-from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.contrib.auth.signals import user_logged_out
 
 from serving.proxy.errors import ProxyError
 from xgenconsole.auth import Principal, PrincipalCache, alookup_key, key_cache
+from xgenconsole.db import db_async
 from xgenconsole.models import hash_key
 
 SESSION_CACHE_S = 5.0
@@ -31,25 +31,20 @@ def _session_principal(session_key: str) -> Principal | None:
     from importlib import import_module
 
     from django.contrib.auth import get_user
-    from django.db import close_old_connections
 
-    close_old_connections()
-    try:
-        store = import_module(settings.SESSION_ENGINE).SessionStore(session_key)
+    store = import_module(settings.SESSION_ENGINE).SessionStore(session_key)
 
-        class _SessionOnly:  # get_user() reads nothing but request.session
-            session = store
+    class _SessionOnly:  # get_user() reads nothing but request.session
+        session = store
 
-        user = get_user(_SessionOnly)
-        if not user.is_authenticated or not user.is_active:
-            return None
-        role = "admin" if user.is_superuser else user.role
-        return Principal(user_id=user.pk, username=user.username, role=role, key_id=0)
-    finally:
-        close_old_connections()
+    user = get_user(_SessionOnly)
+    if not user.is_authenticated or not user.is_active:
+        return None
+    role = "admin" if user.is_superuser else user.role
+    return Principal(user_id=user.pk, username=user.username, role=role, key_id=0)
 
 
-_asession_principal = sync_to_async(_session_principal, thread_sensitive=False)
+_asession_principal = db_async(_session_principal)
 
 
 def _csrf_ok(headers: dict[bytes, bytes], cookies: SimpleCookie) -> bool:

@@ -2,6 +2,8 @@
 
 The table is read from the database at most once per REFRESH_S (one query in a worker thread,
 shared by every request that finds it stale), so the hot path never touches the database.
+While the database is down the previous table keeps serving; a process that has none yet
+raises DatabaseUnavailable (the proxy answers 503) until the database is back.
 Replicas keep their in-flight counters across refreshes; the least busy one is chosen.
 """
 from __future__ import annotations
@@ -12,8 +14,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from asgiref.sync import sync_to_async
-from django.db import close_old_connections
+from xgenconsole.db import DatabaseUnavailable, run_db
 
 log = logging.getLogger("xgen.proxy")
 
@@ -64,24 +65,20 @@ def _read_rows() -> tuple[list[dict], set[str]]:
     from hardware.models import Node
     from serving.models import ACTIVE_STATES, DesiredState, InstanceState, ModelInstance
 
-    close_old_connections()
-    try:
-        fresh = Node.fresh()
-        rows = list(
-            ModelInstance.objects.filter(state=InstanceState.READY, node__in=fresh, port__isnull=False)
-            .order_by("pk")
-            .values("pk", "model_name", "type", "backend", "port", "node__name", "node__address",
-                    "ready_at", "created_at")
-        )
-        # Known = some instance holds the name or is meant to run: 503 no_backend while it is
-        # not READY (loading, restarting after a crash, node offline), 404 only for the rest.
-        names = set(
-            ModelInstance.objects.filter(Q(state__in=ACTIVE_STATES) | Q(desired_state=DesiredState.RUNNING))
-            .values_list("model_name", flat=True)
-            .distinct()
-        )
-    finally:
-        close_old_connections()
+    fresh = Node.fresh()
+    rows = list(
+        ModelInstance.objects.filter(state=InstanceState.READY, node__in=fresh, port__isnull=False)
+        .order_by("pk")
+        .values("pk", "model_name", "type", "backend", "port", "node__name", "node__address",
+                "ready_at", "created_at")
+    )
+    # Known = some instance holds the name or is meant to run: 503 no_backend while it is
+    # not READY (loading, restarting after a crash, node offline), 404 only for the rest.
+    names = set(
+        ModelInstance.objects.filter(Q(state__in=ACTIVE_STATES) | Q(desired_state=DesiredState.RUNNING))
+        .values_list("model_name", flat=True)
+        .distinct()
+    )
     return rows, names
 
 
@@ -92,6 +89,7 @@ class RoutingTable:
         self._snapshot: RoutingSnapshot | None = None
         self._loaded_at = 0.0
         self._refresh: asyncio.Task | None = None
+        self._unavailable: str | None = None  # why the last refresh failed while the database is down
         self._backends: dict[tuple[int, str], Backend] = {}
         self._turn = itertools.count()
 
@@ -101,8 +99,11 @@ class RoutingTable:
 
     async def snapshot(self) -> RoutingSnapshot:
         """The current table; re-read first when older than REFRESH_S."""
-        if self._snapshot is not None and time.monotonic() - self._loaded_at < REFRESH_S:
-            return self._snapshot
+        if time.monotonic() - self._loaded_at < REFRESH_S:
+            if self._snapshot is not None:
+                return self._snapshot
+            if self._unavailable is not None:  # no table yet and the database just failed: don't ask again at once
+                raise DatabaseUnavailable(self._unavailable)
         task = self._refresh
         loop = asyncio.get_running_loop()
         if task is None or task.done() or task.get_loop() is not loop:
@@ -112,6 +113,15 @@ class RoutingTable:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
             raise
+        except DatabaseUnavailable as exc:
+            self._loaded_at = time.monotonic()
+            if self._unavailable is None:
+                log.warning("routing table refresh failed, the database is unavailable (%s); %s", exc,
+                            "keeping the previous table" if self._snapshot else "no table to serve yet")
+            self._unavailable = str(exc)
+            if self._snapshot is None:  # nothing to serve: an empty table would answer 404 for every model
+                raise
+            return self._snapshot
         except Exception:
             log.exception("routing table refresh failed; keeping the previous table")
             self._loaded_at = time.monotonic()
@@ -120,7 +130,7 @@ class RoutingTable:
             return self._snapshot
 
     async def _load(self) -> RoutingSnapshot:
-        rows, names = await sync_to_async(_read_rows, thread_sensitive=False)()
+        rows, names = await run_db(_read_rows)
         snap = RoutingSnapshot(known_names=frozenset(names))
         kept: dict[tuple[int, str], Backend] = {}
         for row in rows:
@@ -139,6 +149,9 @@ class RoutingTable:
             snap.by_type.setdefault(backend.type, []).append(backend)
         self._backends = kept
         self._snapshot = snap
+        if self._unavailable is not None:
+            log.info("routing table refreshed again: the database is back")
+            self._unavailable = None
         self._loaded_at = time.monotonic()
         return snap
 

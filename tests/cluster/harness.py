@@ -164,3 +164,66 @@ def create_cluster(root: Path, *, s3_endpoint: str, s3_access: str, s3_secret: s
 def destroy_cluster(cluster: Cluster) -> None:
     cluster.stop()
     _pg_admin(f'DROP DATABASE IF EXISTS "{cluster.database}" WITH (FORCE)')
+
+
+def new_api_keys(cluster: Cluster, count: int, *, username: str = "admin") -> list[str]:
+    """`count` fresh raw API keys for `username`, made by one management shell."""
+    code = (
+        "import uuid; from xgenconsole.models import User; from xgenconsole.services import create_api_key; "
+        f"u = User.objects.get(username={username!r}); "
+        f"print(' '.join(create_api_key(user=u, name='k-' + uuid.uuid4().hex[:8])[1] for _ in range({count})))"
+    )
+    return cluster.manage("shell", "-v", "0", "-c", code).stdout.split()
+
+
+def postgres_restart_command() -> list[str] | None:
+    """How to restart the loopback PostgreSQL the tests use (Debian's pg_ctlcluster), or None."""
+    import shutil
+
+    versions = sorted(os.listdir("/etc/postgresql")) if os.path.isdir("/etc/postgresql") else []
+    if not versions or shutil.which("pg_ctlcluster") is None:
+        return None
+    return ["pg_ctlcluster", "--skip-systemctl-redirect", versions[0], "main", "restart"]
+
+
+def restart_postgres() -> float:
+    """Restart PostgreSQL (fast shutdown: every connection is cut); seconds it took."""
+    command = postgres_restart_command()
+    assert command is not None, "no pg_ctlcluster here"
+    started = time.monotonic()
+    subprocess.run(command, check=True, timeout=120, capture_output=True)
+    return time.monotonic() - started
+
+
+def redis_restart_possible() -> bool:
+    import shutil
+
+    return shutil.which("redis-cli") is not None and shutil.which("redis-server") is not None
+
+
+def restart_redis(timeout: float = 30) -> float:
+    """Stop the loopback Redis without saving (every channel, group and message is gone) and
+    start it again as the test setup does; seconds it took."""
+    import redis
+
+    host, port = REDIS_HOST.split(":")
+    started = time.monotonic()
+    subprocess.run(["redis-cli", "-h", host, "-p", port, "shutdown", "nosave"], capture_output=True, timeout=30)
+    client = redis.Redis(host=host, port=int(port), socket_timeout=1)
+    deadline = time.monotonic() + timeout
+    while True:  # wait for the port to close before starting the new server
+        try:
+            client.ping()
+        except redis.ConnectionError:
+            break
+        assert time.monotonic() < deadline, "Redis did not stop"
+        time.sleep(0.05)
+    subprocess.run(["redis-server", "--daemonize", "yes", "--bind", host, "--port", port, "--save", "",
+                    "--appendonly", "no"], check=True, capture_output=True, timeout=30)
+    while True:
+        try:
+            client.ping()
+            return time.monotonic() - started
+        except redis.ConnectionError:
+            assert time.monotonic() < deadline, "Redis did not start again"
+            time.sleep(0.05)

@@ -107,3 +107,25 @@ def test_unknown_api_paths_answer_json_for_session_posts_too(admin):
     client.force_login(admin.user)
     response = client.post("/api/nope/1", data={}, content_type="application/json")
     assert response.status_code == 404 and response.json()["error"]["code"] == "not_found"
+
+
+@pytest.mark.django_db
+def test_an_api_call_while_the_database_connection_is_lost_is_503(client, admin, monkeypatch):
+    from django.db import InterfaceError, OperationalError
+
+    from xgenconsole import auth
+
+    def lost(raw):
+        raise InterfaceError("connection already closed")
+
+    monkeypatch.setattr(auth, "lookup_key", lost)
+    response = client.get("/api/hardware/nodes", **bearer(admin.key))
+    assert response.status_code == 503
+    assert response.json()["error"] == {"message": "The database is unavailable; try again in a moment.",
+                                        "type": "service_unavailable", "code": "database_unavailable"}
+
+    def broken_query(raw):
+        raise OperationalError("a query's own error (a lock timeout), not a lost connection")
+
+    monkeypatch.setattr(auth, "lookup_key", broken_query)
+    assert client.get("/api/hardware/nodes", **bearer(admin.key)).status_code == 500

@@ -82,6 +82,8 @@ def test_database_url_parsing(tmp_path: Path):
     pg = database_from_url("postgres://u:p%40ss@db.local:5433/xgen?sslmode=require", data_dir=tmp_path)
     assert pg["ENGINE"] == "django.db.backends.postgresql"
     assert (pg["USER"], pg["PASSWORD"], pg["HOST"], pg["PORT"], pg["NAME"]) == ("u", "p@ss", "db.local", "5433", "xgen")
-    assert pg["OPTIONS"] == {"sslmode": "require"}
+    assert pg["OPTIONS"] == {"sslmode": "require", "connect_timeout": "5"}
+    assert pg["CONN_HEALTH_CHECKS"] is True
+    assert database_from_url("postgres://h/x?connect_timeout=30", data_dir=tmp_path)["OPTIONS"]["connect_timeout"] == "30"
     with pytest.raises(ImproperEnv, match="mysql"):
         database_from_url("mysql://x/y", data_dir=tmp_path)
