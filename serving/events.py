@@ -6,13 +6,21 @@ fragment overwriting a newer one (static/js/live_versions.js).
 """
 from __future__ import annotations
 
+import logging
+
+from asgiref.sync import async_to_sync
+from channels.layers import get_channel_layer
 from django.template.loader import render_to_string
 from django.utils.html import escape
 
 from serving.models import InstanceEvent, ModelInstance
 from xgenconsole.live import publish, publish_sync
 
+log = logging.getLogger("xgen.serving")
+
 LIST_GROUP = "instances"
+# Every web process's routing table listens here: a state change anywhere refreshes them all.
+ROUTING_GROUP = "routing"
 TIMELINE_ROWS = 100
 
 
@@ -37,8 +45,21 @@ def timeline_html(instance_id: int, *, oob: bool) -> str:
                             {"events": evs, "version": evs[-1].pk if evs else 0, "oob": oob})
 
 
+def routing_changed() -> None:
+    """Tell every web process's routing table to re-read the database now (sync)."""
+    layer = get_channel_layer()
+    if layer is None:
+        return
+    try:
+        async_to_sync(layer.group_send)(ROUTING_GROUP, {"type": "routing.changed"})
+    except Exception:  # the tables also refresh on their own every second
+        log.warning("routing push failed", exc_info=True)
+
+
 def state_changed(instance: ModelInstance, event: InstanceEvent | None = None) -> None:
     """The list page's card, the state block and (after a transition) the timeline of its page (sync)."""
+    if event is not None:
+        routing_changed()
     # The whole list card, not rows: the consumer joins fragments into one message, and a <tr>
     # beside a non-table element does not survive HTML parsing. Bursts coalesce by key.
     publish_sync(LIST_GROUP, instances_card_html(oob=True), key="instances-card")

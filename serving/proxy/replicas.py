@@ -1,7 +1,11 @@
 """Which backends serve which model: an in-memory table the proxy reads on every request.
 
-The table is read from the database at most once per REFRESH_S (one query in a worker thread,
-shared by every request that finds it stale), so the hot path never touches the database.
+No request waits for the database once a process has its first table: the table is re-read in
+the background, at once when an instance changes state anywhere (serving.events pushes a
+`routing.changed` message over the channel layer to every web process) and every REFRESH_S as a
+safety net (a lost message, a node whose heartbeat went stale, rows written by hand). Requests
+always read the current snapshot. `invalidate()` makes the next request wait for a fresh read
+(for code that has just changed the rows itself and must see them).
 While the database is down the previous table keeps serving; a process that has none yet
 raises DatabaseUnavailable (the proxy answers 503) until the database is back.
 Replicas keep their in-flight counters across refreshes; the least busy one is chosen.
@@ -9,6 +13,7 @@ Replicas keep their in-flight counters across refreshes; the least busy one is c
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
@@ -19,6 +24,7 @@ from xgenconsole.db import DatabaseUnavailable, run_db
 log = logging.getLogger("xgen.proxy")
 
 REFRESH_S = 1.0
+GROUP_RENEW_S = 300.0  # channels-redis forgets a group member after its group_expiry
 # A replica that refused a connection is tried last for this long.
 DOWN_S = 2.0
 
@@ -83,27 +89,38 @@ def _read_rows() -> tuple[list[dict], set[str]]:
 
 
 class RoutingTable:
-    """READY backends, refreshed from the database at most every REFRESH_S (single-flight)."""
+    """READY backends; re-read in the background (pushed, and every REFRESH_S), single-flight."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, listen: bool = False) -> None:
         self._snapshot: RoutingSnapshot | None = None
+        self._fresh = False
         self._loaded_at = 0.0
         self._refresh: asyncio.Task | None = None
         self._unavailable: str | None = None  # why the last refresh failed while the database is down
         self._backends: dict[tuple[int, str], Backend] = {}
         self._turn = itertools.count()
+        self._listen = listen
+        self._listener: asyncio.Task | None = None
 
     def invalidate(self) -> None:
-        """Make the next request re-read the database."""
+        """Make the next request wait for a fresh read of the database."""
+        self._fresh = False
         self._loaded_at = 0.0
 
     async def snapshot(self) -> RoutingSnapshot:
-        """The current table; re-read first when older than REFRESH_S."""
-        if time.monotonic() - self._loaded_at < REFRESH_S:
-            if self._snapshot is not None:
-                return self._snapshot
-            if self._unavailable is not None:  # no table yet and the database just failed: don't ask again at once
-                raise DatabaseUnavailable(self._unavailable)
+        """The current table. Only a process's first request (or one after `invalidate()`) waits."""
+        if self._listen:
+            self._ensure_listener()
+        if self._snapshot is not None and self._fresh and (
+                self._listening() or time.monotonic() - self._loaded_at < REFRESH_S):
+            return self._snapshot  # (with no background refresh here, re-read at most once per REFRESH_S)
+        if self._snapshot is None and self._unavailable is not None and \
+                time.monotonic() - self._loaded_at < REFRESH_S:
+            raise DatabaseUnavailable(self._unavailable)  # no table yet and the database just failed
+        return await self.refresh()
+
+    async def refresh(self) -> RoutingSnapshot:
+        """Re-read the database now (one read shared by every caller); the table to serve."""
         task = self._refresh
         loop = asyncio.get_running_loop()
         if task is None or task.done() or task.get_loop() is not loop:
@@ -119,6 +136,7 @@ class RoutingTable:
                 log.warning("routing table refresh failed, the database is unavailable (%s); %s", exc,
                             "keeping the previous table" if self._snapshot else "no table to serve yet")
             self._unavailable = str(exc)
+            self._fresh = True  # tried: serve the previous table until the next refresh
             if self._snapshot is None:  # nothing to serve: an empty table would answer 404 for every model
                 raise
             return self._snapshot
@@ -128,6 +146,54 @@ class RoutingTable:
             if self._snapshot is None:
                 self._snapshot = RoutingSnapshot()
             return self._snapshot
+
+    # ------------------------------------------------------------ background refresh
+    def _listening(self) -> bool:
+        task = self._listener
+        return task is not None and not task.done()
+
+    def _ensure_listener(self) -> None:
+        loop = asyncio.get_running_loop()
+        task = self._listener
+        if task is None or task.done() or task.get_loop() is not loop:
+            self._listener = loop.create_task(self._background(), name="routing-table-refresh")
+
+    async def _background(self) -> None:
+        """Re-read on every `routing.changed` message, and every REFRESH_S without one."""
+        from channels.layers import get_channel_layer
+
+        from serving.events import ROUTING_GROUP
+
+        layer = get_channel_layer()
+        channel = None
+        joined_at = 0.0
+        while True:
+            try:
+                if layer is not None and (channel is None or time.monotonic() - joined_at > GROUP_RENEW_S):
+                    channel = channel or await layer.new_channel()
+                    await layer.group_add(ROUTING_GROUP, channel)
+                    joined_at = time.monotonic()
+                if channel is not None:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(layer.receive(channel), REFRESH_S)
+                else:
+                    await asyncio.sleep(REFRESH_S)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a channel layer that is down (Redis restarting): poll, and join again later
+                log.debug("routing push unavailable; refreshing on the timer", exc_info=True)
+                joined_at = 0.0
+                await asyncio.sleep(REFRESH_S)
+            with contextlib.suppress(DatabaseUnavailable):
+                await self.refresh()
+
+    async def stop(self) -> None:
+        """Stop the background refresh (process shutdown)."""
+        task, self._listener = self._listener, None
+        if task is not None and not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
 
     async def _load(self) -> RoutingSnapshot:
         rows, names = await run_db(_read_rows)
@@ -149,6 +215,7 @@ class RoutingTable:
             snap.by_type.setdefault(backend.type, []).append(backend)
         self._backends = kept
         self._snapshot = snap
+        self._fresh = True
         if self._unavailable is not None:
             log.info("routing table refreshed again: the database is back")
             self._unavailable = None
@@ -180,4 +247,4 @@ class RoutingTable:
         return sorted(rotated, key=lambda b: (b.down_until > now, b.in_flight))
 
 
-routing_table = RoutingTable()
+routing_table = RoutingTable(listen=True)

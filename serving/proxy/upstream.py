@@ -59,8 +59,10 @@ def client() -> aiohttp.ClientSession:
 
 
 async def shutdown_proxy() -> None:
-    """Close the pooled client (lifespan shutdown or process exit)."""
+    """Close the pooled client and stop the routing table's background refresh (lifespan
+    shutdown or process exit)."""
     global _client
+    await routing_table.stop()
     if _client is not None and not _client.closed:
         try:
             await _client.close()
