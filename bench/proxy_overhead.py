@@ -146,7 +146,8 @@ class ConsoleProcess:
 
     def __init__(self, server: str, workdir: Path, backends: dict[str, int]) -> None:
         self.port = free_port()
-        data = workdir / f"console-{server}"
+        server, _, loop = server.partition(":")  # "uvicorn:uvloop", "uvicorn:asyncio"
+        data = workdir / f"console-{server}-{loop or 'default'}"
         self.env = {**os.environ, "DJANGO_SETTINGS_MODULE": "xgenconsole.settings", "XGEN_DATA_DIR": str(data),
                     "XGEN_NODE_NAME": "bench-web", "XGEN_DEMO_MODEL": "false", "XGEN_ADMIN_PASSWORD": "bench-pass-123",
                     "XGEN_NODE_STALE_AFTER": "3600", "XGEN_NODE_OFFLINE_AFTER": "7200", "XGEN_LOG_LEVEL": "WARNING"}
@@ -168,7 +169,7 @@ for row in json.loads({rows!r}):
         self.log = open(data / "serve.log", "wb")  # noqa: SIM115
         self.proc = subprocess.Popen(
             [PYTHON, str(REPO / "manage.py"), "serve", "--host", "127.0.0.1", "--port", str(self.port),
-             "--server", server, "--no-agent"],
+             "--server", server, "--no-agent", *(["--loop", loop] if loop else [])],
             env=self.env, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT,
         )
         wait_http(f"{self.url}/healthz", self.proc)
@@ -371,7 +372,8 @@ async def idle_gaps(targets: dict[str, tuple[str, dict]], gaps: list[float], sam
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[1])
-    parser.add_argument("--servers", default="uvicorn,daphne")
+    parser.add_argument("--servers", default="uvicorn:asyncio,uvicorn:uvloop,daphne",
+                        help="consoles to measure: daphne, uvicorn[:asyncio|:uvloop]")
     parser.add_argument("--scale", type=float, default=1.0, help="multiply request counts")
     parser.add_argument("--gaps", default="0.02,1.2,35", help="idle gaps (s) for the probe; empty: skip it")
     parser.add_argument("--gap-samples", type=int, default=6, help="requests per target per gap")

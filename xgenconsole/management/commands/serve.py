@@ -21,17 +21,35 @@ class Command(BaseCommand):
         # uvicorn is the default: on the proxy's path it adds about half of daphne's latency
         # (bench/proxy_overhead.py), and it hands the body to the app as it arrives.
         parser.add_argument("--server", choices=["daphne", "uvicorn"], default="uvicorn")
+        parser.add_argument("--loop", choices=["auto", "asyncio", "uvloop"], default="asyncio",
+                            help="uvicorn's event loop (auto: uvloop when installed); bench/proxy_overhead.py compares them")
         parser.add_argument("--no-agent", action="store_true", help="web only (cluster mode web process)")
 
-    def handle(self, *args, host: str, port: int, server: str, no_agent: bool, **options):
+    def handle(self, *args, host: str, port: int, server: str, no_agent: bool, loop: str = "asyncio", **options):
         if not 0 < port < 65536:
             raise CommandError("--port must be 1..65535")
-        self.stdout.write(f"XGEN Console on http://{host}:{port}/ ({server}; node {settings.NODE_NAME})")
+        loop_factory = self._loop_factory(loop) if server == "uvicorn" else None
+        flavour = f"{server}, {'uvloop' if loop_factory else 'asyncio'} loop" if server == "uvicorn" else server
+        self.stdout.write(f"XGEN Console on http://{host}:{port}/ ({flavour}; node {settings.NODE_NAME})")
         self.stdout.flush()
         if server == "uvicorn":
-            asyncio.run(self._run_uvicorn(host, port, not no_agent))
+            with asyncio.Runner(loop_factory=loop_factory) as runner:
+                runner.run(self._run_uvicorn(host, port, not no_agent))
         else:
             self._run_daphne(host, port, not no_agent)
+
+    @staticmethod
+    def _loop_factory(choice: str):
+        """uvloop's loop factory when asked for (or when installed, for auto), else None (asyncio's)."""
+        if choice == "asyncio":
+            return None
+        try:
+            import uvloop
+        except ImportError:
+            if choice == "uvloop":
+                raise CommandError("--loop uvloop: the uvloop package is not installed") from None
+            return None
+        return uvloop.new_event_loop
 
     def _make_agent(self, with_agent: bool):
         if not with_agent:
