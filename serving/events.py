@@ -1,4 +1,4 @@
-"""Live updates for instance pages: typed wrappers around xgenconsole.live.publish.
+"""Live updates for instance pages: typed wrappers around live.publish.
 
 Groups: "instances" (the list page) and "instance.<id>" (one instance's page). Fragments carry
 data-version, so a page's catch-up fetch and the websocket can race without an older
@@ -9,8 +9,8 @@ from __future__ import annotations
 from django.template.loader import render_to_string
 from django.utils.html import escape
 
+from live.publish import publish, publish_sync
 from serving.models import InstanceEvent, ModelInstance
-from xgenconsole.live import publish, publish_sync
 
 LIST_GROUP = "instances"
 TIMELINE_ROWS = 100
