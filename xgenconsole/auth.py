@@ -13,7 +13,7 @@ from django.http import HttpRequest
 from django.utils import timezone
 from ninja.security import HttpBearer, SessionAuth
 
-from xgenconsole.errors import ApiError
+from accounts.errors import ApiError
 from xgenconsole.models import ApiKey, User, hash_key
 
 # Paths with their own auth (bearer key or session, answered as JSON), not login redirects.

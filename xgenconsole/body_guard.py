@@ -17,10 +17,10 @@ import json
 
 from django.conf import settings
 
+from accounts.errors import error_body
 from serving.proxy.app import PROXY_PREFIXES, read_body
 from serving.proxy.auth import authenticate
 from serving.proxy.errors import ProxyError
-from xgenconsole.errors import error_body
 
 
 def _has_credentials(headers: dict[bytes, bytes]) -> bool:

@@ -16,8 +16,8 @@ from django.utils import timezone
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_http_methods, require_POST
 
+from accounts.errors import json_error
 from hardware.models import Node
-from xgenconsole.errors import json_error
 from xgenconsole.forms import ApiKeyCreateForm, UserCreateForm, UserEditForm
 from xgenconsole.models import ApiKey, Role, User
 from xgenconsole.services import create_api_key, create_user, revoke_api_key

@@ -19,12 +19,12 @@ import uuid
 
 from django.conf import settings
 
+from accounts.errors import error_body
 from serving.proxy import metrics
 from serving.proxy.auth import authenticate
 from serving.proxy.errors import ProxyError
 from serving.proxy.replicas import Backend, routing_table
 from serving.proxy.upstream import UpstreamReply, open_upstream
-from xgenconsole.errors import error_body
 
 log = logging.getLogger("xgen.proxy")
 
