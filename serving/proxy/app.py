@@ -19,9 +19,9 @@ import uuid
 
 from django.conf import settings
 
-from accounts.errors import error_body
+from accounts.credentials import authenticate
+from accounts.errors import ErrorAnswer, error_body
 from serving.proxy import metrics
-from serving.proxy.auth import authenticate
 from serving.proxy.errors import ProxyError
 from serving.proxy.replicas import Backend, routing_table
 from serving.proxy.upstream import UpstreamReply, open_upstream
@@ -197,7 +197,7 @@ async def proxy_app(scope, receive, send) -> None:
 
     try:
         await _handle(scope, receive, tracked_send, headers, request_id)
-    except ProxyError as exc:
+    except ErrorAnswer as exc:  # ProxyError, or a refused credential
         metrics.record_rejected(exc.code or str(exc.status))
         if not state["started"]:
             await _send_json(send, exc.status, exc.body(), request_id=request_id, headers=exc.headers)

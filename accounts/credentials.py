@@ -1,20 +1,96 @@
-"""Who is calling the proxy: a bearer key (cached) or the console's session (+CSRF on writes)."""
+"""Who is calling, from credentials alone: a bearer key or the console's session, each cached for
+a few seconds, so hot paths (the inference proxy, the body guard) skip the database.
+
+`lookup_key` serves Ninja's bearer auth too (accounts.auth); `authenticate` checks raw ASGI
+headers the way Django would (session hash, CSRF token and Origin on writes).
+"""
 from __future__ import annotations
 
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from http.cookies import SimpleCookie
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.contrib.auth.signals import user_logged_out
+from django.utils import timezone
 
-from serving.proxy.errors import ProxyError
-from xgenconsole.auth import Principal, PrincipalCache, alookup_key, key_cache
-from xgenconsole.models import hash_key
+from accounts.errors import ErrorAnswer
+from accounts.models import ROLE_RANK, ApiKey, Role, hash_key
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who a bearer key acts for, as cached by the hot path."""
+
+    user_id: int
+    username: str
+    role: str
+    key_id: int
+
+    def has_role(self, needed: str) -> bool:
+        return ROLE_RANK[Role(self.role)] >= ROLE_RANK[Role(needed)]
+
+
+class PrincipalCache:
+    """Credential (key hash, session key) -> Principal for a few seconds, so hot paths skip
+    the database. Clearing takes effect at once in this process; others see it within the TTL.
+
+    `ttl_s` is a number or a callable read at each put (so settings changes apply).
+    """
+
+    def __init__(self, ttl_s: float | Callable[[], float]) -> None:
+        self._ttl = ttl_s
+        self._entries: dict[str, tuple[float, Principal | None]] = {}
+        self._lock = threading.Lock()
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+    def get(self, credential: str) -> tuple[bool, Principal | None]:
+        entry = self._entries.get(credential)
+        if entry is None or entry[0] < time.monotonic():
+            return False, None
+        return True, entry[1]
+
+    def put(self, credential: str, principal: Principal | None) -> None:
+        ttl = self._ttl() if callable(self._ttl) else self._ttl
+        if ttl <= 0:
+            return
+        with self._lock:
+            if len(self._entries) > 10_000:
+                self._entries.clear()
+            self._entries[credential] = (time.monotonic() + ttl, principal)
+
+
+key_cache = PrincipalCache(lambda: settings.API_KEY_CACHE_S)
+
+
+def lookup_key(raw: str) -> Principal | None:
+    """The principal for a raw bearer key, or None; touches the database at most once per TTL."""
+    if not raw or len(raw) > 200:
+        return None
+    digest = hash_key(raw)
+    hit, principal = key_cache.get(digest)
+    if hit:
+        return principal
+    key = ApiKey.objects.select_related("user").filter(key_hash=digest).first()
+    principal = None
+    if key is not None and key.is_usable:
+        role = "admin" if key.user.is_superuser else key.user.role
+        principal = Principal(user_id=key.user_id, username=key.user.username, role=role, key_id=key.pk)
+        ApiKey.objects.filter(pk=key.pk).update(last_used_at=timezone.now())
+    key_cache.put(digest, principal)
+    return principal
+
+
+alookup_key = sync_to_async(lookup_key, thread_sensitive=False)
 
 SESSION_CACHE_S = 5.0
 
-
-# ---------------------------------------------------------------- auth
 # Session key -> Principal: the playground and other browser calls skip the database.
 session_cache = PrincipalCache(SESSION_CACHE_S)
 
@@ -79,7 +155,8 @@ def _origin_ok(headers: dict[bytes, bytes], scheme: str) -> bool:
 
 
 async def authenticate(headers: dict[bytes, bytes], *, method: str, scheme: str = "http") -> Principal:
-    """A bearer key (cached, no database per request) or the console's session (+CSRF on writes)."""
+    """A bearer key (cached, no database per request) or the console's session (+CSRF on writes),
+    read from raw ASGI headers; ErrorAnswer 401 or 403 (csrf_failed) otherwise."""
     auth = headers.get(b"authorization")
     if auth is not None:
         scheme_word, _, raw = auth.decode("latin-1").partition(" ")
@@ -90,8 +167,8 @@ async def authenticate(headers: dict[bytes, bytes], *, method: str, scheme: str 
             if not hit:
                 principal = await alookup_key(raw)
         if principal is None:
-            raise ProxyError(401, "Invalid API key.", code="invalid_api_key",
-                             headers=[(b"www-authenticate", b"Bearer")])
+            raise ErrorAnswer(401, "Invalid API key.", code="invalid_api_key",
+                              headers=[(b"www-authenticate", b"Bearer")])
         return principal
     cookie_header = headers.get(b"cookie")
     if cookie_header:
@@ -109,13 +186,11 @@ async def authenticate(headers: dict[bytes, bytes], *, method: str, scheme: str 
             if principal is not None:
                 if method not in ("GET", "HEAD", "OPTIONS"):
                     if not _origin_ok(headers, scheme):
-                        raise ProxyError(403, "Origin checking failed for this session request.",
-                                         code="csrf_failed")
+                        raise ErrorAnswer(403, "Origin checking failed for this session request.",
+                                          code="csrf_failed")
                     if not _csrf_ok(headers, cookies):
-                        raise ProxyError(403, "CSRF token missing or incorrect: send the X-CSRFToken header.",
-                                         code="csrf_failed")
+                        raise ErrorAnswer(403, "CSRF token missing or incorrect: send the X-CSRFToken header.",
+                                          code="csrf_failed")
                 return principal
-    raise ProxyError(401, "Authentication required: send 'Authorization: Bearer <key>' or sign in.",
-                     code="unauthorized", headers=[(b"www-authenticate", b"Bearer")])
-
-
+    raise ErrorAnswer(401, "Authentication required: send 'Authorization: Bearer <key>' or sign in.",
+                      code="unauthorized", headers=[(b"www-authenticate", b"Bearer")])
