@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from hardware.events import GPUS_GROUP
-from xgenconsole.live import LiveConsumer
+from live.consumers import LiveConsumer
 
 
 class GpusConsumer(LiveConsumer):

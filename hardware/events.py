@@ -1,4 +1,4 @@
-"""Live fragments for the GPUs page (typed wrapper around xgenconsole.live.publish).
+"""Live fragments for the GPUs page (typed wrapper around live.publish).
 
 An agent that starts sends the whole list (its node may be new); its refreshes send only its
 own card and the summary, so a large cluster does not re-send every card every few seconds.
@@ -9,8 +9,8 @@ from django.template.loader import render_to_string
 
 from hardware.allocation import node_card, overview
 from hardware.models import Node
-from xgenconsole.db import run_db
-from xgenconsole.live import publish
+from live.db import run_db
+from live.publish import publish
 
 GPUS_GROUP = "gpus"
 NODES_ELEMENT_ID = "gpu-nodes"

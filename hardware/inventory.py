@@ -17,7 +17,7 @@ from hardware.detectors.base import DetectorAttempt, DetectorUnavailable
 from hardware.detectors.cpu import cpu_percent, read_cpu_info, read_cpu_times
 from hardware.events import publish_gpus, publish_node
 from hardware.services import InventoryResult, save_inventory
-from xgenconsole.db import run_db
+from live.db import run_db
 
 log = logging.getLogger("xgen.hardware")
 

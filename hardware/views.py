@@ -4,10 +4,10 @@ from __future__ import annotations
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, render
 
+from accounts.auth import role_required
+from accounts.models import Role
 from hardware.allocation import node_card, overview
 from hardware.models import Node
-from xgenconsole.models import Role
-from xgenconsole.views import role_required
 
 
 @role_required(Role.VIEWER)

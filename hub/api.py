@@ -5,6 +5,8 @@ from django.http import HttpRequest
 from django.shortcuts import get_object_or_404
 from ninja import Query, Router, Schema, Status
 
+from accounts.auth import admin_auth, operator_auth, require_role
+from accounts.errors import ApiError
 from hub import services
 from hub.events import publish_new_job
 from hub.models import DownloadJob, ModelArtifact
@@ -20,8 +22,6 @@ from hub.schemas import (
 )
 from hub.store import StoreError
 from hub.views import cached_on_map
-from xgenconsole.auth import admin_auth, operator_auth, require_role
-from xgenconsole.errors import ApiError
 
 storage_router = Router()
 download_router = Router()

@@ -29,7 +29,7 @@ from django.utils import timezone
 
 from hub.paths import MANIFEST_NAME, InvalidPrefix, safe_join, validate_prefix
 from hub.store import Manifest, ManifestFile, ModelStore, StoreError, get_store
-from xgenconsole.db import run_db_sync
+from live.db import run_db_sync
 
 log = logging.getLogger("xgen.hub.cache")
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from hub.events import DOWNLOADS_GROUP, UPLOADS_GROUP
-from xgenconsole.live import LiveConsumer
+from live.consumers import LiveConsumer
 
 
 class DownloadsConsumer(LiveConsumer):

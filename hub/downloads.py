@@ -25,7 +25,7 @@ from hub import services
 from hub.events import publish_job
 from hub.models import DownloadJob, DownloadStatus, ModelArtifact
 from hub.store import ModelStore, get_store
-from xgenconsole.db import db_async, run_db
+from live.db import db_async, run_db
 
 log = logging.getLogger("xgen.hub.downloads")
 

@@ -6,8 +6,8 @@ import logging
 from django.template.loader import render_to_string
 
 from hub.models import DownloadJob
-from xgenconsole.db import run_db
-from xgenconsole.live import publish, publish_sync
+from live.db import run_db
+from live.publish import publish, publish_sync
 
 log = logging.getLogger("xgen.hub.events")
 DOWNLOADS_GROUP = "downloads"

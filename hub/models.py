@@ -1,6 +1,7 @@
 """The index of the model store, node caches, and Hugging Face download jobs."""
 from __future__ import annotations
 
+from django.conf import settings
 from django.db import models
 from django.utils import timezone
 
@@ -80,7 +81,7 @@ class DownloadJob(models.Model):
     target_prefix = models.CharField(max_length=512, blank=True)
     node = models.CharField(max_length=100, blank=True, help_text="agent that claimed the job")
     cancel_requested = models.BooleanField(default=False)
-    created_by = models.ForeignKey("xgenconsole.User", null=True, blank=True, on_delete=models.SET_NULL)
+    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL)
     created_at = models.DateTimeField(default=timezone.now)
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)

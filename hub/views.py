@@ -11,14 +11,14 @@ from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_http_methods, require_POST
 
+from accounts.auth import role_required
+from accounts.models import Role
 from hub import services
 from hub.events import publish_new_job
 from hub.models import CacheEntry, CacheState, DownloadJob, ModelArtifact
 from hub.paths import FORMAT_ROOTS, InvalidPrefix
 from hub.store import StoreError
 from hub.uploads import recent_uploads, start_upload
-from xgenconsole.models import Role
-from xgenconsole.views import role_required
 
 PAGE_SIZE = 50
 

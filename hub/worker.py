@@ -6,7 +6,7 @@ import logging
 
 from hub import services
 from hub.downloads import run_download_job
-from xgenconsole.db import db_async, run_db
+from live.db import db_async, run_db
 
 log = logging.getLogger("xgen.hub.worker")
 

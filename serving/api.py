@@ -4,11 +4,11 @@ from __future__ import annotations
 from django.http import HttpRequest
 from ninja import Router, Status
 
+from accounts.auth import api_auth, operator_auth, require_role
+from accounts.errors import ApiError
 from serving.models import ModelInstance
 from serving.schemas import InstanceOut, InstanceRef, LoadIn, LoadOut
 from serving.services import LoadRefused, find_instance, request_load, request_restart, request_unload
-from xgenconsole.auth import api_auth, operator_auth, require_role
-from xgenconsole.errors import ApiError
 
 management_router = Router()
 

@@ -1,8 +1,8 @@
 """Websocket consumers of the instance pages (the shared LiveConsumer does the work)."""
 from __future__ import annotations
 
+from live.consumers import LiveConsumer
 from serving.events import LIST_GROUP, instance_group
-from xgenconsole.live import LiveConsumer
 
 
 class InstancesConsumer(LiveConsumer):

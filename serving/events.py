@@ -1,4 +1,4 @@
-"""Live updates for instance pages: typed wrappers around xgenconsole.live.publish.
+"""Live updates for instance pages: typed wrappers around live.publish.
 
 Groups: "instances" (the list page) and "instance.<id>" (one instance's page). Fragments carry
 data-version, so a page's catch-up fetch and the websocket can race without an older
@@ -13,8 +13,8 @@ from channels.layers import get_channel_layer
 from django.template.loader import render_to_string
 from django.utils.html import escape
 
+from live.publish import publish, publish_sync
 from serving.models import InstanceEvent, ModelInstance
-from xgenconsole.live import publish, publish_sync
 
 log = logging.getLogger("xgen.serving")
 

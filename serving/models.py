@@ -1,6 +1,7 @@
 """Model instances (a served model on a node) and their state history."""
 from __future__ import annotations
 
+from django.conf import settings
 from django.db import models
 from django.utils import timezone
 
@@ -62,7 +63,7 @@ class ModelInstance(models.Model):
     last_error = models.TextField(blank=True)
     log_tail = models.JSONField(default=list, blank=True)
     estimated_memory_mib = models.BigIntegerField(null=True, blank=True)
-    created_by = models.ForeignKey("xgenconsole.User", null=True, blank=True, on_delete=models.SET_NULL)
+    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL)
     created_at = models.DateTimeField(default=timezone.now)
     started_at = models.DateTimeField(null=True, blank=True)
     ready_at = models.DateTimeField(null=True, blank=True)

@@ -11,6 +11,8 @@ from django.http import FileResponse, Http404, HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
+from accounts.auth import role_required
+from accounts.models import Role
 from hardware.models import GpuDevice, Node
 from hub.models import ModelArtifact
 from serving.events import instances_context, timeline_events
@@ -19,8 +21,6 @@ from serving.models import InstanceState, ModelInstance
 from serving.node.logs import current_log, previous_log
 from serving.proxy.metrics import usage_summary
 from serving.services import LoadRefused, gpu_rooms, plan_load, request_load, request_restart, request_unload
-from xgenconsole.models import Role
-from xgenconsole.views import role_required
 
 PLAYGROUND_TIMEOUT_S = 60
 

@@ -40,7 +40,7 @@ class Account:
 
 
 def _account(username: str, role: str) -> Account:
-    from xgenconsole.services import create_api_key, create_user
+    from accounts.services import create_api_key, create_user
 
     password = f"{username}-pass-123"
     user = create_user(username=username, role=role, password=password)

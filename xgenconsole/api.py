@@ -9,13 +9,13 @@ from django.http import Http404, HttpRequest
 from ninja import NinjaAPI
 from ninja.errors import AuthenticationError, AuthorizationError, HttpError, ValidationError
 
+from accounts.auth import api_auth
+from accounts.errors import ApiError, json_error
 from hardware.api import router as hardware_router
 from hub.api import download_router, storage_router
+from live.db import connection_lost
 from serving.api import management_router
 from serving.inference_api import router as inference_router
-from xgenconsole.auth import api_auth
-from xgenconsole.db import connection_lost
-from xgenconsole.errors import ApiError, json_error
 
 log = logging.getLogger(__name__)
 

@@ -17,10 +17,9 @@ import json
 
 from django.conf import settings
 
+from accounts.credentials import authenticate
+from accounts.errors import ErrorAnswer, error_body
 from serving.proxy.app import PROXY_PREFIXES, read_body
-from serving.proxy.auth import authenticate
-from serving.proxy.errors import ProxyError
-from xgenconsole.errors import error_body
 
 
 def _has_credentials(headers: dict[bytes, bytes]) -> bool:
@@ -45,7 +44,7 @@ def _declared_length(headers: dict[bytes, bytes]) -> int | None:
         return None
 
 
-async def _send_error(send, exc: ProxyError) -> None:
+async def _send_error(send, exc: ErrorAnswer) -> None:
     body = exc.body()
     await send({"type": "http.response.start", "status": exc.status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
@@ -68,12 +67,12 @@ def guard_django(app):
             try:  # cached for keys and sessions: a database read at most once per cache lifetime
                 await authenticate(headers, method="GET")  # CSRF stays Django's to check
                 authenticated = True
-            except ProxyError:
+            except ErrorAnswer:
                 pass
         limit = body_limit(scope["path"], headers, authenticated=authenticated)
         try:
             body = await read_body(receive, headers, limit=limit, timeout_s=settings.BODY_TIMEOUT_S)
-        except ProxyError as exc:
+        except ErrorAnswer as exc:
             return await _send_error(send, exc)
         if body is None:
             return None  # the client left

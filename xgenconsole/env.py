@@ -137,7 +137,7 @@ def database_from_url(url: str, *, data_dir: Path) -> dict:
             "OPTIONS": options,
             # No persistent connections (Django's advice under ASGI: worker threads come and go);
             # should CONN_MAX_AGE be raised, each reuse is health-checked first. Off the request
-            # cycle, xgenconsole.db.run_db does what request_started/finished do.
+            # cycle, live.db.run_db does what request_started/finished do.
             "CONN_MAX_AGE": 0,
             "CONN_HEALTH_CHECKS": True,
         }

@@ -85,7 +85,8 @@ INSTALLED_APPS = [
     "channels",
     "django_htmx",
     "ninja",
-    "xgenconsole",
+    "accounts",
+    "xgenconsole",  # no models since 0.2.0; its migrations stay (0.1.0 databases applied them)
     "hardware",
     "hub",
     "serving",
@@ -97,7 +98,7 @@ MIDDLEWARE = [
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
-    "xgenconsole.auth.LoginRequiredPagesMiddleware",
+    "accounts.auth.LoginRequiredPagesMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "django_htmx.middleware.HtmxMiddleware",
@@ -105,7 +106,7 @@ MIDDLEWARE = [
 
 ROOT_URLCONF = "xgenconsole.urls"
 ASGI_APPLICATION = "xgenconsole.asgi.application"
-AUTH_USER_MODEL = "xgenconsole.User"
+AUTH_USER_MODEL = "accounts.User"
 LOGIN_URL = "login"
 LOGIN_REDIRECT_URL = "home"
 LOGOUT_REDIRECT_URL = "login"

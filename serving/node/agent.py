@@ -2,7 +2,7 @@
 detects hardware, runs downloads and cache syncs, and supervises backend processes.
 
 It runs in `manage.py nodeagent` or inside `manage.py serve` (same event loop as the web
-server). Database work goes through xgenconsole.db.run_db (the agent outlives database
+server). Database work goes through live.db.run_db (the agent outlives database
 restarts: every call gets a working connection); nothing here blocks the loop.
 """
 from __future__ import annotations
@@ -20,10 +20,10 @@ from django.conf import settings
 from hardware.inventory import InventoryWorker
 from hardware.services import record_heartbeat, register_node
 from hub.worker import HubWorker
+from live.db import DatabaseUnavailable, run_db
 from serving.events import node_group
 from serving.node.supervisor import Supervisor
 from serving.node.worker import AgentWorker
-from xgenconsole.db import DatabaseUnavailable, run_db
 
 log = logging.getLogger("xgen.agent")
 

@@ -25,6 +25,7 @@ import httpx
 from django.conf import settings
 from django.utils import timezone
 
+from live.db import db_async
 from serving import events
 from serving.adapters import BackendAdapter, LaunchSpec, get_adapter
 from serving.models import ACTIVE_STATES, DesiredState, InstanceState, ModelInstance
@@ -43,7 +44,6 @@ from serving.node.worker import AgentWorker
 from serving.placement import PlacementError, pick_port
 from serving.selection import choose_backend, node_gpu_type
 from serving.services import gguf_in_dir, save_log_tail, transition
-from xgenconsole.db import db_async
 
 if TYPE_CHECKING:
     from serving.node.agent import NodeAgent

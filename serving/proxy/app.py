@@ -19,13 +19,13 @@ import uuid
 
 from django.conf import settings
 
+from accounts.credentials import authenticate
+from accounts.errors import ErrorAnswer, error_body
+from live.db import DatabaseUnavailable
 from serving.proxy import metrics
-from serving.proxy.auth import authenticate
 from serving.proxy.errors import ProxyError
 from serving.proxy.replicas import Backend, routing_table
 from serving.proxy.upstream import UpstreamReply, open_upstream
-from xgenconsole.db import DatabaseUnavailable
-from xgenconsole.errors import error_body
 
 log = logging.getLogger("xgen.proxy")
 
@@ -206,7 +206,7 @@ async def proxy_app(scope, receive, send) -> None:
                         request_id, exc)
             raise ProxyError(503, "The database is unavailable; try again in a moment.",
                              code="database_unavailable", headers=[(b"retry-after", b"1")]) from None
-    except ProxyError as exc:
+    except ErrorAnswer as exc:  # ProxyError, or a refused credential
         metrics.record_rejected(exc.code or str(exc.status))
         if not state["started"]:
             await _send_json(send, exc.status, exc.body(), request_id=request_id, headers=exc.headers)

@@ -19,7 +19,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from xgenconsole.db import DatabaseUnavailable, run_db
+from live.db import DatabaseUnavailable, run_db
 
 log = logging.getLogger("xgen.proxy")
 

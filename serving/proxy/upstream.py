@@ -13,10 +13,10 @@ from dataclasses import dataclass
 import aiohttp
 from django.conf import settings
 
+from accounts.errors import error_body
 from serving.proxy import metrics
 from serving.proxy.errors import ProxyError
 from serving.proxy.replicas import Backend, routing_table
-from xgenconsole.errors import error_body
 
 log = logging.getLogger("xgen.proxy")
 

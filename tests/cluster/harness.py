@@ -169,7 +169,7 @@ def destroy_cluster(cluster: Cluster) -> None:
 def new_api_keys(cluster: Cluster, count: int, *, username: str = "admin") -> list[str]:
     """`count` fresh raw API keys for `username`, made by one management shell."""
     code = (
-        "import uuid; from xgenconsole.models import User; from xgenconsole.services import create_api_key; "
+        "import uuid; from accounts.models import User; from accounts.services import create_api_key; "
         f"u = User.objects.get(username={username!r}); "
         f"print(' '.join(create_api_key(user=u, name='k-' + uuid.uuid4().hex[:8])[1] for _ in range({count})))"
     )

@@ -105,7 +105,7 @@ def test_a_refused_upload_of_the_data_dir_leaves_the_live_database_alone(setting
                                                                           loot_in_data_dir):
     from django.db import connection
 
-    from xgenconsole.models import User
+    from accounts.models import User
 
     settings.IMPORT_DIRS = [Path(tempfile.gettempdir()).resolve()]
     db_file = Path(connection.settings_dict["NAME"])

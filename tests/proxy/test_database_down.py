@@ -8,10 +8,11 @@ import json
 import pytest
 from django.db import InterfaceError
 
-from serving.proxy import app, auth
+from accounts import credentials as auth
+from accounts.credentials import Principal
+from live.db import db_async
+from serving.proxy import app
 from serving.proxy import replicas as routing_table
-from xgenconsole.auth import Principal
-from xgenconsole.db import db_async
 
 ADMIN = Principal(user_id=1, username="admin", role="admin", key_id=1)
 

@@ -78,7 +78,7 @@ def test_a_revoked_key_stops_working_at_once(served):
 
 
 def _key_id(served, name: str) -> str:
-    code = f"from xgenconsole.models import ApiKey; print(ApiKey.objects.get(name={name!r}).pk)"
+    code = f"from accounts.models import ApiKey; print(ApiKey.objects.get(name={name!r}).pk)"
     return served.console.manage("shell", "-c", code).stdout.split()[-1]
 
 

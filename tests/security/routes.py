@@ -5,7 +5,7 @@ import re
 
 from django.urls import URLPattern, URLResolver, get_resolver
 
-from xgenconsole.auth import ApiKeyAuth, SessionAuthWithCsrf
+from accounts.auth import ApiKeyAuth, SessionAuthWithCsrf
 
 PUBLIC_PAGES = {"/healthz", "/readyz", "/accounts/login/"}
 SAMPLE = {"int": "1", "str": "n", "path": "gguf/x", "slug": "x", "uuid": "00000000-0000-0000-0000-000000000000"}

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from django.test import Client
 
+from accounts.models import ROLE_RANK, Role
 from tests.security.routes import PUBLIC_PAGES, api_operations, page_routes
-from xgenconsole.models import ROLE_RANK, Role
 
 
 @pytest.mark.django_db

@@ -4,10 +4,11 @@ import django.contrib.auth.models
 import django.contrib.auth.validators
 import django.db.models.deletion
 import django.utils.timezone
-from django.conf import settings
 from django.db import migrations, models
 
 
+# 0.2.0: the user model was xgenconsole.User when this ran; it is named outright (not through
+# AUTH_USER_MODEL, now accounts.User) so databases that applied this keep a consistent history.
 class Migration(migrations.Migration):
 
     initial = True
@@ -55,7 +56,7 @@ class Migration(migrations.Migration):
                 ('last_used_at', models.DateTimeField(blank=True, null=True)),
                 ('expires_at', models.DateTimeField(blank=True, null=True)),
                 ('revoked_at', models.DateTimeField(blank=True, null=True)),
-                ('user', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='api_keys', to=settings.AUTH_USER_MODEL)),
+                ('user', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='api_keys', to='xgenconsole.user')),
             ],
             options={
                 'ordering': ['-created_at'],

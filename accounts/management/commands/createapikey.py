@@ -1,7 +1,7 @@
 from django.core.management.base import BaseCommand, CommandError
 
-from xgenconsole.models import User
-from xgenconsole.services import create_api_key
+from accounts.models import User
+from accounts.services import create_api_key
 
 
 class Command(BaseCommand):

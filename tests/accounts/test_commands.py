@@ -1,7 +1,7 @@
 import pytest
 from django.core.management import CommandError, call_command
 
-from xgenconsole.models import ApiKey, User, hash_key
+from accounts.models import ApiKey, User, hash_key
 
 
 @pytest.mark.django_db

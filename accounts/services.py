@@ -6,10 +6,12 @@ from datetime import datetime
 from django.db import transaction
 from django.utils import timezone
 
-from xgenconsole.models import ApiKey, Role, User, hash_key
+from accounts.credentials import key_cache
+from accounts.models import ApiKey, Role, User, hash_key
 
 
 def create_user(*, username: str, role: str, password: str | None, email: str = "") -> User:
+    """A user with `role` (admins are staff too); ValueError for an unknown role."""
     if role not in Role.values:
         raise ValueError(f"role must be one of {', '.join(Role.values)}")
     with transaction.atomic():
@@ -30,8 +32,7 @@ def create_api_key(*, user: User, name: str, expires_at: datetime | None = None)
 
 
 def revoke_api_key(*, key: ApiKey) -> None:
-    from xgenconsole.auth import key_cache
-
+    """Revoked from now on; this process's key cache forgets it at once, others within the TTL."""
     if key.revoked_at is None:
         key.revoked_at = timezone.now()
         key.save(update_fields=["revoked_at"])

@@ -1,5 +1,12 @@
-"""One error shape for every JSON answer: OpenAI's {"error": {message, type, code}}."""
+"""One error shape for every JSON answer: OpenAI's {"error": {message, type, code}}.
+
+Here, on the floor, because every app answers in it and the header check in accounts raises it.
+`ApiError` is for Django and Ninja views; `ErrorAnswer` for code that answers outside Django's
+handler (the proxy, the body guard), which sends `body()` itself.
+"""
 from __future__ import annotations
+
+import json
 
 from django.http import JsonResponse
 from ninja.errors import HttpError
@@ -40,3 +47,19 @@ class ApiError(HttpError):
         super().__init__(status_code, message)
         self.code = code
         self.type = type
+
+
+class ErrorAnswer(Exception):
+    """An error answered in this shape by a raw ASGI app: status, message, code, and the extra
+    response headers it needs (WWW-Authenticate, Allow)."""
+
+    def __init__(self, status: int, message: str, *, code: str | None = None,
+                 headers: list[tuple[bytes, bytes]] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.headers = headers or []
+
+    def body(self) -> bytes:
+        return json.dumps(error_body(self.message, status=self.status, code=self.code)).encode()

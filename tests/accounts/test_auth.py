@@ -2,9 +2,9 @@
 import pytest
 from django.urls import reverse
 
+from accounts.credentials import key_cache
 from tests.conftest import bearer
 from tests.security.routes import PUBLIC_PAGES, page_routes
-from xgenconsole.auth import key_cache
 
 
 @pytest.mark.django_db
@@ -41,8 +41,8 @@ def test_every_api_route_answers_401_in_openai_shape(client):
 def test_bad_and_revoked_keys_are_refused(client, viewer):
     assert client.get("/api/hardware/nodes", **bearer("xgen_not-a-key")).status_code == 401
     assert client.get("/api/hardware/nodes", **bearer(viewer.key)).status_code == 200
-    from xgenconsole.models import ApiKey
-    from xgenconsole.services import revoke_api_key
+    from accounts.models import ApiKey
+    from accounts.services import revoke_api_key
 
     revoke_api_key(key=ApiKey.objects.get(user=viewer.user))
     assert client.get("/api/hardware/nodes", **bearer(viewer.key)).status_code == 401

@@ -5,7 +5,8 @@ import pytest
 from channels.testing import WebsocketCommunicator
 from django.contrib.auth.models import AnonymousUser
 
-from xgenconsole.live import LiveConsumer, publish
+from live.consumers import LiveConsumer
+from live.publish import publish
 
 
 class DemoConsumer(LiveConsumer):

@@ -1,4 +1,7 @@
-"""Users with a role, and API keys that act for a user."""
+"""Users with a role, and API keys that act for a user.
+
+Both lived in the xgenconsole app up to 0.1.0 and keep its tables (see migrations/0001).
+"""
 from __future__ import annotations
 
 import hashlib
@@ -20,6 +23,9 @@ ROLE_RANK = {Role.VIEWER: 0, Role.OPERATOR: 1, Role.ADMIN: 2}
 
 class User(AbstractUser):
     role = models.CharField(max_length=16, choices=Role.choices, default=Role.VIEWER)
+
+    class Meta(AbstractUser.Meta):
+        db_table = "xgenconsole_user"  # and so xgenconsole_user_groups, xgenconsole_user_user_permissions
 
     def has_role(self, needed: str) -> bool:
         """True when this user's role is `needed` or above (admin > operator > viewer)."""
@@ -49,6 +55,7 @@ class ApiKey(models.Model):
     revoked_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
+        db_table = "xgenconsole_apikey"
         ordering = ["-created_at"]
 
     def __str__(self) -> str:

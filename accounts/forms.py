@@ -1,7 +1,7 @@
 from django import forms
 from django.contrib.auth.password_validation import validate_password
 
-from xgenconsole.models import Role, User
+from accounts.models import Role, User
 
 
 class UserCreateForm(forms.Form):

@@ -1,7 +1,4 @@
-"""Live pages: background code publishes rendered HTML fragments to a group; browsers on a
-page join that group over a websocket (htmx ws extension swaps fragments in by element id).
-
-One consumer class serves every live page. It refuses anonymous users, joins the groups the
+"""One consumer class serves every live page. It refuses anonymous users, joins the groups the
 URL names, and coalesces: a fragment that replaces an element (keyed by its id) overwrites a
 pending one, appended lines (log) are bounded, and everything is flushed at most every
 FLUSH_S, so a burst of events never floods a slow browser or the server.
@@ -9,37 +6,13 @@ FLUSH_S, so a burst of events never floods a slow browser or the server.
 from __future__ import annotations
 
 import asyncio
-import logging
-import re
 
-from asgiref.sync import async_to_sync
 from channels.generic.websocket import AsyncWebsocketConsumer
-from channels.layers import get_channel_layer
 
-log = logging.getLogger(__name__)
+from live.publish import GROUP_RE
 
 FLUSH_S = 0.2
 MAX_APPENDS = 500
-GROUP_RE = re.compile(r"^[A-Za-z0-9._-]{1,90}$")
-
-
-async def publish(group: str, html: str, *, key: str | None = None) -> None:
-    """Send a fragment to every browser watching `group`.
-
-    `key` (usually the element id the fragment replaces) lets consumers drop stale versions;
-    None means the fragment appends (a log line) and is never merged with another.
-    """
-    layer = get_channel_layer()
-    if layer is None or not GROUP_RE.match(group):
-        return
-    try:
-        await layer.group_send(group, {"type": "live.fragment", "html": html, "key": key})
-    except Exception:  # a full or unreachable channel layer must never break the caller
-        log.warning("live publish to %s failed", group, exc_info=True)
-
-
-def publish_sync(group: str, html: str, *, key: str | None = None) -> None:
-    async_to_sync(publish)(group, html, key=key)
 
 
 class LiveConsumer(AsyncWebsocketConsumer):

@@ -3,8 +3,8 @@ import secrets
 
 from django.core.management.base import BaseCommand
 
-from xgenconsole.models import Role, User
-from xgenconsole.services import create_user
+from accounts.models import Role, User
+from accounts.services import create_user
 
 
 class Command(BaseCommand):

@@ -1,4 +1,4 @@
-"""xgenconsole.db.run_db, the one sync->async database bridge, against a real PostgreSQL.
+"""live.db.run_db, the one sync->async database bridge, against a real PostgreSQL.
 
 The server cuts a connection with pg_terminate_backend (what a restart does to every
 connection): the bridge's next call, or the cut call itself, gets a working connection. The
@@ -15,9 +15,9 @@ import pytest
 from asgiref.sync import sync_to_async
 from django.db import OperationalError, connections
 
+from live.db import DatabaseUnavailable, db_async, run_db
 from tests.cluster.harness import PG_ADMIN_DSN, _pg_admin
 from tests.procs import free_port
-from xgenconsole.db import DatabaseUnavailable, db_async, run_db
 from xgenconsole.env import database_from_url
 
 pytestmark = pytest.mark.cluster  # needs PostgreSQL on loopback

@@ -1,0 +1,17 @@
+from django.contrib.auth import views as auth_views
+from django.urls import path
+
+from accounts import views
+
+urlpatterns = [
+    path(
+        "accounts/login/",
+        auth_views.LoginView.as_view(template_name="accounts/login.html", redirect_authenticated_user=True),
+        name="login",
+    ),
+    path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),
+    path("users/", views.users_page, name="users"),
+    path("users/<int:user_id>/", views.user_edit, name="user-edit"),
+    path("keys/", views.keys_page, name="keys"),
+    path("keys/<int:key_id>/revoke/", views.key_revoke, name="key-revoke"),
+]

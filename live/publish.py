@@ -1,0 +1,32 @@
+"""Publishing a rendered fragment to every browser watching a group (apps wrap this in events.py)."""
+from __future__ import annotations
+
+import logging
+import re
+
+from asgiref.sync import async_to_sync
+from channels.layers import get_channel_layer
+
+log = logging.getLogger(__name__)
+
+GROUP_RE = re.compile(r"^[A-Za-z0-9._-]{1,90}$")
+
+
+async def publish(group: str, html: str, *, key: str | None = None) -> None:
+    """Send a fragment to every browser watching `group`.
+
+    `key` (usually the element id the fragment replaces) lets consumers drop stale versions;
+    None means the fragment appends (a log line) and is never merged with another.
+    """
+    layer = get_channel_layer()
+    if layer is None or not GROUP_RE.match(group):
+        return
+    try:
+        await layer.group_send(group, {"type": "live.fragment", "html": html, "key": key})
+    except Exception:  # a full or unreachable channel layer must never break the caller
+        log.warning("live publish to %s failed", group, exc_info=True)
+
+
+def publish_sync(group: str, html: str, *, key: str | None = None) -> None:
+    """`publish` for synchronous callers."""
+    async_to_sync(publish)(group, html, key=key)
