@@ -54,6 +54,7 @@ class ApiKeyAuth(_RoleCheck, HttpBearer):
         user = User.objects.filter(pk=principal.user_id, is_active=True).first()
         if user is not None:
             request.user = user
+            request.api_key_id = principal.key_id  # the audit log says which key acted
         return self._allowed(user)
 
 

@@ -1,95 +1,149 @@
-"""Who is calling, from credentials alone: a bearer key or the console's session, each cached for
-a few seconds, so hot paths (the inference proxy, the body guard) skip the database.
+"""Who is calling, from credentials alone: a bearer key or the console's session, each cached
+so hot paths (the inference proxy, the body guard) skip the database.
 
 `lookup_key` serves Ninja's bearer auth too (accounts.auth); `authenticate` checks raw ASGI
 headers the way Django would (session hash, CSRF token and Origin on writes).
+
+The caches (issue 18): an entry is fresh for its TTL, then served stale while one background
+refresh re-reads it (the async path; the sync path re-reads inline). A change to keys or users
+(revoke, limits, role, deactivation, logout) clears this process's entries at once and is pushed
+over the channel layer to every other process (`notify_changed`), which clear theirs on receipt;
+a lost push is caught by the TTL. A cached principal carries its key's expiry, checked on every
+hit. Every clear bumps a generation counter that a lookup reads before its database read and
+that `put` checks, so a revoke landing between the read and the put never re-caches the key.
+`last_used_at` is recorded in memory and written in batches off the request path.
 """
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
+import os
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from http.cookies import SimpleCookie
 
 from django.conf import settings
 from django.contrib.auth.signals import user_logged_out
-from django.utils import timezone
 
 from accounts.errors import ErrorAnswer
 from accounts.models import ROLE_RANK, ApiKey, Role, hash_key
-from live.db import db_async
+from live.db import db_async, run_db
+
+log = logging.getLogger("xgen.accounts")
+
+CREDENTIALS_GROUP = "accounts.credentials"
+STALE_FACTOR = 10  # a cached entry is served (while it is re-read) up to this many TTLs old
+LAST_USED_FLUSH_S = 10.0
+GROUP_RENEW_S = 300.0  # channels-redis forgets a group member after its group_expiry
+_ORIGIN = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"  # this process, to skip its own pushes
 
 
 @dataclass(frozen=True)
 class Principal:
-    """Who a bearer key acts for, as cached by the hot path."""
+    """Who a credential acts for, as cached by the hot path; for a key, its limits too
+    (None / empty: unlimited)."""
 
     user_id: int
     username: str
     role: str
-    key_id: int
+    key_id: int  # 0 for a session
+    key_name: str = ""
+    expires_at: float | None = None  # epoch seconds
+    allowed_models: frozenset[str] | None = None
+    rpm: int | None = None
+    tpm: int | None = None
+    daily_tokens: int | None = None
+    monthly_tokens: int | None = None
+    priority: int = 0
 
     def has_role(self, needed: str) -> bool:
         return ROLE_RANK[Role(self.role)] >= ROLE_RANK[Role(needed)]
 
+    def expired(self, now: float | None = None) -> bool:
+        return self.expires_at is not None and (time.time() if now is None else now) >= self.expires_at
+
+    @property
+    def limited(self) -> bool:
+        """Whether the proxy has a rate limit or quota to enforce for this key."""
+        return (self.rpm is not None or self.tpm is not None or self.daily_tokens is not None
+                or self.monthly_tokens is not None)
+
+    def may_use(self, model: str) -> bool:
+        return self.allowed_models is None or model in self.allowed_models
+
+
+MISS, FRESH, STALE = "miss", "fresh", "stale"
+
 
 class PrincipalCache:
-    """Credential (key hash, session key) -> Principal for a few seconds, so hot paths skip
-    the database. Clearing takes effect at once in this process; others see it within the TTL.
+    """Credential (key hash, session key) -> Principal (or None: known bad).
 
-    `ttl_s` is a number or a callable read at each put (so settings changes apply).
+    `ttl_s` is a number or a callable read at each use (so settings changes apply); 0 turns the
+    cache off. Fresh for the TTL, then stale (served while re-read) up to STALE_FACTOR TTLs.
     """
 
     def __init__(self, ttl_s: float | Callable[[], float]) -> None:
         self._ttl = ttl_s
         self._entries: dict[str, tuple[float, Principal | None]] = {}
         self._lock = threading.Lock()
+        self._generation = 0
+
+    def _ttl_s(self) -> float:
+        return self._ttl() if callable(self._ttl) else self._ttl
+
+    @property
+    def generation(self) -> int:
+        """Read before a database read; `put(..., generation=)` drops the entry if a clear came since."""
+        return self._generation
 
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
+            self._generation += 1
+
+    def forget(self, credential: str) -> None:
+        with self._lock:
+            self._entries.pop(credential, None)
+            self._generation += 1
+
+    def peek(self, credential: str) -> tuple[str, Principal | None]:
+        """(MISS | FRESH | STALE, principal); an expired key's principal reads as None."""
+        entry = self._entries.get(credential)
+        if entry is None:
+            return MISS, None
+        ttl = self._ttl_s()
+        age = time.monotonic() - entry[0]
+        if age >= ttl * STALE_FACTOR or ttl <= 0:
+            return MISS, None
+        principal = entry[1]
+        if principal is not None and principal.expired():
+            principal = None
+        return (FRESH if age < ttl else STALE), principal
 
     def get(self, credential: str) -> tuple[bool, Principal | None]:
-        entry = self._entries.get(credential)
-        if entry is None or entry[0] < time.monotonic():
-            return False, None
-        return True, entry[1]
+        """(hit, principal) for a fresh entry."""
+        state, principal = self.peek(credential)
+        return state == FRESH, principal
 
-    def put(self, credential: str, principal: Principal | None) -> None:
-        ttl = self._ttl() if callable(self._ttl) else self._ttl
-        if ttl <= 0:
-            return
+    def put(self, credential: str, principal: Principal | None, *, generation: int | None = None) -> bool:
+        """Cache `principal`; not when the cache was cleared since `generation` was read. True if kept."""
+        if self._ttl_s() <= 0:
+            return False
         with self._lock:
+            if generation is not None and generation != self._generation:
+                return False  # a revoke or change came in while this was read: the read may be stale
             if len(self._entries) > 10_000:
                 self._entries.clear()
-            self._entries[credential] = (time.monotonic() + ttl, principal)
+            self._entries[credential] = (time.monotonic(), principal)
+            return True
 
 
 key_cache = PrincipalCache(lambda: settings.API_KEY_CACHE_S)
-
-
-def lookup_key(raw: str) -> Principal | None:
-    """The principal for a raw bearer key, or None; touches the database at most once per TTL."""
-    if not raw or len(raw) > 200:
-        return None
-    digest = hash_key(raw)
-    hit, principal = key_cache.get(digest)
-    if hit:
-        return principal
-    key = ApiKey.objects.select_related("user").filter(key_hash=digest).first()
-    principal = None
-    if key is not None and key.is_usable:
-        role = "admin" if key.user.is_superuser else key.user.role
-        principal = Principal(user_id=key.user_id, username=key.user.username, role=role, key_id=key.pk)
-        ApiKey.objects.filter(pk=key.pk).update(last_used_at=timezone.now())
-    key_cache.put(digest, principal)
-    return principal
-
-
-# Through the one DB bridge: a worker thread's connection is closed around each lookup and a
-# lookup whose connection was lost (a database restart) runs again on a new one.
-alookup_key = db_async(lookup_key)
 
 SESSION_CACHE_S = 5.0
 
@@ -97,8 +151,212 @@ SESSION_CACHE_S = 5.0
 session_cache = PrincipalCache(SESSION_CACHE_S)
 
 
+# ---------------------------------------------------------------- keys
+def principal_for_key(key: ApiKey) -> Principal:
+    """The cached form of a usable key (its user selected)."""
+    role = "admin" if key.user.is_superuser else key.user.role
+    return Principal(
+        user_id=key.user_id, username=key.user.username, role=role, key_id=key.pk, key_name=key.name,
+        expires_at=key.expires_at.timestamp() if key.expires_at else None,
+        allowed_models=frozenset(key.allowed_models) if key.allowed_models else None,
+        rpm=key.rpm, tpm=key.tpm, daily_tokens=key.daily_tokens, monthly_tokens=key.monthly_tokens,
+        priority=key.priority,
+    )
+
+
+def _load_key(digest: str) -> Principal | None:
+    """Read one key by hash and cache what was read (unless a change came in meanwhile)."""
+    generation = key_cache.generation
+    key = ApiKey.objects.select_related("user").filter(key_hash=digest).first()
+    principal = principal_for_key(key) if key is not None and key.is_usable else None
+    key_cache.put(digest, principal, generation=generation)
+    return principal
+
+
+_aload_key = db_async(_load_key)
+_refreshing: set[str] = set()
+
+
+def lookup_key(raw: str) -> Principal | None:
+    """The principal for a raw bearer key, or None (sync callers: Ninja's bearer auth)."""
+    if not raw or len(raw) > 200:
+        return None
+    digest = hash_key(raw)
+    state, principal = key_cache.peek(digest)
+    if state != FRESH:
+        principal = _load_key(digest)
+    if principal is not None:
+        touch_key(principal.key_id)
+        if time.monotonic() - _last_flush[0] > LAST_USED_FLUSH_S and not upkeep.running:
+            flush_last_used()  # no background upkeep in this process (a plain Django server)
+    return principal
+
+
+async def alookup_key(raw: str) -> Principal | None:
+    """lookup_key for async callers: a stale entry is served while one refresh runs in the background."""
+    if not raw or len(raw) > 200:
+        return None
+    digest = hash_key(raw)
+    state, principal = key_cache.peek(digest)
+    if state == MISS:
+        principal = await _aload_key(digest)
+    elif state == STALE and digest not in _refreshing:
+        _refreshing.add(digest)
+        asyncio.get_running_loop().create_task(_revalidate(digest))
+    if principal is not None:
+        touch_key(principal.key_id)
+    return principal
+
+
+async def _revalidate(digest: str) -> None:
+    try:
+        await _aload_key(digest)
+    except Exception as exc:  # the database is down: keep serving the stale entry until it is back
+        log.debug("key refresh failed: %s", exc)
+    finally:
+        _refreshing.discard(digest)
+
+
+# ---------------------------------------------------------------- last_used_at, in batches
+_last_used: dict[int, float] = {}
+_last_flush = [time.monotonic()]
+
+
+def touch_key(key_id: int) -> None:
+    """Remember that a key was used now; written by flush_last_used (no database here)."""
+    _last_used[key_id] = time.time()
+
+
+def flush_last_used() -> int:
+    """Write the recorded last-used times (one UPDATE per key used since the last flush)."""
+    global _last_used
+    _last_flush[0] = time.monotonic()
+    pending, _last_used = _last_used, {}
+    for key_id, at in list(pending.items()):
+        try:
+            ApiKey.objects.filter(pk=key_id).update(last_used_at=datetime.fromtimestamp(at, tz=UTC))
+        except Exception:
+            for kid, when in pending.items():  # keep them for the next flush (the newer time wins)
+                _last_used[kid] = max(when, _last_used.get(kid, 0.0))
+            raise
+    return len(pending)
+
+
+# ---------------------------------------------------------------- changes, pushed to every process
+def notify_changed(scope: str = "keys", credential: str | None = None) -> None:
+    """Keys or users changed: clear this process's cache at once and tell every other process.
+
+    `scope` is "keys" (key_cache), "sessions" (session_cache) or "all"; `credential` (a key hash)
+    forgets just that key. Never raises: a lost push is caught by the other processes' TTL.
+    """
+    _apply_change(scope, credential)
+    from asgiref.sync import async_to_sync
+    from channels.layers import get_channel_layer
+
+    layer = get_channel_layer()
+    if layer is None:
+        return
+    message = {"type": "credentials.changed", "scope": scope, "credential": credential, "origin": _ORIGIN}
+    try:
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            async_to_sync(layer.group_send)(CREDENTIALS_GROUP, message)
+        else:  # called on an event loop thread: send without blocking it
+            asyncio.get_running_loop().create_task(_send_quietly(layer, message))
+    except Exception as exc:
+        log.warning("could not push a credentials change to other processes: %s", exc)
+
+
+async def _send_quietly(layer, message: dict) -> None:
+    try:
+        await layer.group_send(CREDENTIALS_GROUP, message)
+    except Exception as exc:
+        log.warning("could not push a credentials change to other processes: %s", exc)
+
+
+def _apply_change(scope: str, credential: str | None) -> None:
+    if scope in ("keys", "all"):
+        if credential:
+            key_cache.forget(credential)
+        else:
+            key_cache.clear()
+    if scope in ("sessions", "all"):
+        session_cache.clear()
+
+
+class CredentialUpkeep:
+    """Per process, in its event loop: applies changes pushed by other processes, and writes
+    last_used_at every LAST_USED_FLUSH_S (and at stop)."""
+
+    def __init__(self) -> None:
+        self._task: asyncio.Task | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    def ensure_started(self) -> None:
+        task = self._task
+        if task is not None and not task.done():
+            try:
+                if task.get_loop() is asyncio.get_running_loop():
+                    return
+            except RuntimeError:
+                return
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="credentials-upkeep")
+
+    async def _run(self) -> None:
+        from channels.layers import get_channel_layer
+
+        layer = get_channel_layer()
+        channel = None
+        joined_at = 0.0
+        while True:
+            try:
+                if layer is not None and (channel is None or time.monotonic() - joined_at > GROUP_RENEW_S):
+                    channel = channel or await layer.new_channel()
+                    await layer.group_add(CREDENTIALS_GROUP, channel)
+                    joined_at = time.monotonic()
+                if channel is not None:
+                    with contextlib.suppress(TimeoutError):
+                        message = await asyncio.wait_for(layer.receive(channel), 1.0)
+                        if message.get("origin") != _ORIGIN:
+                            _apply_change(str(message.get("scope")), message.get("credential"))
+                else:
+                    await asyncio.sleep(1.0)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a channel layer that is down (Redis restarting): join again later
+                log.debug("credentials push unavailable; the TTL applies", exc_info=True)
+                channel, joined_at = None, 0.0
+                await asyncio.sleep(1.0)
+            if _last_used and time.monotonic() - _last_flush[0] > LAST_USED_FLUSH_S:
+                try:
+                    await run_db(flush_last_used)
+                except Exception as exc:
+                    log.warning("writing keys' last_used_at failed (kept for the next try): %s", exc)
+
+    async def stop(self) -> None:
+        """Stop listening and write what is left (process shutdown)."""
+        task, self._task = self._task, None
+        if task is not None and not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        if _last_used:
+            try:
+                await run_db(flush_last_used)
+            except Exception as exc:
+                log.warning("writing keys' last_used_at at shutdown failed: %s", exc)
+
+
+upkeep = CredentialUpkeep()
+
+
+# ---------------------------------------------------------------- sessions
 def _forget_sessions(**kwargs) -> None:
-    session_cache.clear()  # a logout in this process takes effect at once, not after SESSION_CACHE_S
+    notify_changed("sessions")  # a logout takes effect at once here, and in other processes on the push
 
 
 user_logged_out.connect(_forget_sessions, dispatch_uid="xgen-proxy-session-cache")
@@ -110,19 +368,42 @@ def _session_principal(session_key: str) -> Principal | None:
 
     from django.contrib.auth import get_user
 
+    generation = session_cache.generation
     store = import_module(settings.SESSION_ENGINE).SessionStore(session_key)
 
     class _SessionOnly:  # get_user() reads nothing but request.session
         session = store
 
     user = get_user(_SessionOnly)
-    if not user.is_authenticated or not user.is_active:
-        return None
-    role = "admin" if user.is_superuser else user.role
-    return Principal(user_id=user.pk, username=user.username, role=role, key_id=0)
+    principal = None
+    if user.is_authenticated and user.is_active:
+        role = "admin" if user.is_superuser else user.role
+        principal = Principal(user_id=user.pk, username=user.username, role=role, key_id=0)
+    session_cache.put(session_key, principal, generation=generation)
+    return principal
 
 
 _asession_principal = db_async(_session_principal)
+_refreshing_sessions: set[str] = set()
+
+
+async def _session_lookup(session_key: str) -> Principal | None:
+    state, principal = session_cache.peek(session_key)
+    if state == MISS:
+        return await _asession_principal(session_key)
+    if state == STALE and session_key not in _refreshing_sessions:
+        _refreshing_sessions.add(session_key)
+        asyncio.get_running_loop().create_task(_revalidate_session(session_key))
+    return principal
+
+
+async def _revalidate_session(session_key: str) -> None:
+    try:
+        await _asession_principal(session_key)
+    except Exception as exc:
+        log.debug("session refresh failed: %s", exc)
+    finally:
+        _refreshing_sessions.discard(session_key)
 
 
 def _csrf_ok(headers: dict[bytes, bytes], cookies: SimpleCookie) -> bool:
@@ -154,15 +435,14 @@ def _origin_ok(headers: dict[bytes, bytes], scheme: str) -> bool:
 async def authenticate(headers: dict[bytes, bytes], *, method: str, scheme: str = "http") -> Principal:
     """A bearer key (cached, no database per request) or the console's session (+CSRF on writes),
     read from raw ASGI headers; ErrorAnswer 401 or 403 (csrf_failed) otherwise."""
+    upkeep.ensure_started()
     auth = headers.get(b"authorization")
     if auth is not None:
         scheme_word, _, raw = auth.decode("latin-1").partition(" ")
         raw = raw.strip()
         principal = None
         if scheme_word.lower() == "bearer" and raw and len(raw) <= 200:
-            hit, principal = key_cache.get(hash_key(raw))
-            if not hit:
-                principal = await alookup_key(raw)
+            principal = await alookup_key(raw)
         if principal is None:
             raise ErrorAnswer(401, "Invalid API key.", code="invalid_api_key",
                               headers=[(b"www-authenticate", b"Bearer")])
@@ -176,10 +456,7 @@ async def authenticate(headers: dict[bytes, bytes], *, method: str, scheme: str 
             cookies = SimpleCookie()
         morsel = cookies.get(settings.SESSION_COOKIE_NAME)
         if morsel is not None and morsel.value and len(morsel.value) <= 64:
-            hit, principal = session_cache.get(morsel.value)
-            if not hit:
-                principal = await _asession_principal(morsel.value)
-                session_cache.put(morsel.value, principal)
+            principal = await _session_lookup(morsel.value)
             if principal is not None:
                 if method not in ("GET", "HEAD", "OPTIONS"):
                     if not _origin_ok(headers, scheme):

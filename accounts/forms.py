@@ -29,7 +29,46 @@ class UserEditForm(forms.Form):
     new_password = forms.CharField(widget=forms.PasswordInput, required=False, min_length=8)
 
 
-class ApiKeyCreateForm(forms.Form):
+class ApiKeyLimitsForm(forms.Form):
+    """The limits of a key; an empty field is unlimited."""
+
+    allowed_models = forms.CharField(
+        required=False, max_length=20000, label="Allowed models",
+        help_text="served model names, comma-separated; empty: every model",
+        widget=forms.TextInput(attrs={"placeholder": "every model"}))
+    rpm = forms.IntegerField(required=False, min_value=1, label="Requests per minute",
+                             widget=forms.NumberInput(attrs={"placeholder": "unlimited"}))
+    tpm = forms.IntegerField(required=False, min_value=1, label="Tokens per minute",
+                             widget=forms.NumberInput(attrs={"placeholder": "unlimited"}))
+    daily_tokens = forms.IntegerField(required=False, min_value=1, label="Tokens per day (UTC)",
+                                      widget=forms.NumberInput(attrs={"placeholder": "unlimited"}))
+    monthly_tokens = forms.IntegerField(required=False, min_value=1, label="Tokens per month (UTC)",
+                                        widget=forms.NumberInput(attrs={"placeholder": "unlimited"}))
+    priority = forms.IntegerField(required=False, min_value=0, max_value=9, initial=0,
+                                  help_text="0-9; higher goes first when requests queue")
+
+    def clean_allowed_models(self) -> list[str]:
+        raw = self.cleaned_data.get("allowed_models") or ""
+        return sorted({m.strip() for m in raw.replace("\n", ",").split(",") if m.strip()})
+
+    def clean_priority(self) -> int:
+        return self.cleaned_data.get("priority") or 0
+
+    def limits(self) -> dict:
+        return {f: self.cleaned_data[f] for f in ("allowed_models", "rpm", "tpm", "daily_tokens",
+                                                  "monthly_tokens", "priority")}
+
+
+class ApiKeyCreateForm(ApiKeyLimitsForm):
     name = forms.CharField(max_length=100)
     user = forms.ModelChoiceField(queryset=User.objects.filter(is_active=True).order_by("username"))
     expires_in_days = forms.IntegerField(required=False, min_value=1, max_value=3650, label="Expires in (days)")
+
+    field_order = ["name", "user", "expires_in_days", "allowed_models", "rpm", "tpm", "daily_tokens",
+                   "monthly_tokens", "priority"]
+
+
+class ApiKeyEditForm(ApiKeyLimitsForm):
+    name = forms.CharField(max_length=100)
+
+    field_order = ["name", "allowed_models", "rpm", "tpm", "daily_tokens", "monthly_tokens", "priority"]

@@ -1,13 +1,13 @@
-"""Users with a role, and API keys that act for a user.
+"""Users with a role, API keys that act for a user (with their limits), and the audit log.
 
-Both lived in the xgenconsole app up to 0.1.0 and keep its tables (see migrations/0001).
+Users and keys lived in the xgenconsole app up to 0.1.0 and keep its tables (see migrations/0001).
 """
 from __future__ import annotations
 
 import hashlib
 import secrets
 
-from django.contrib.auth.models import AbstractUser
+from django.contrib.auth.models import AbstractUser, UserManager
 from django.db import models
 from django.utils import timezone
 
@@ -21,8 +21,17 @@ class Role(models.TextChoices):
 ROLE_RANK = {Role.VIEWER: 0, Role.OPERATOR: 1, Role.ADMIN: 2}
 
 
+class ConsoleUserManager(UserManager):
+    def create_superuser(self, username, email=None, password=None, **extra_fields):
+        # A superuser is an admin by role too, so the Users page shows (and can change) what it is.
+        extra_fields.setdefault("role", Role.ADMIN)
+        return super().create_superuser(username, email, password, **extra_fields)
+
+
 class User(AbstractUser):
     role = models.CharField(max_length=16, choices=Role.choices, default=Role.VIEWER)
+
+    objects = ConsoleUserManager()
 
     class Meta(AbstractUser.Meta):
         db_table = "xgenconsole_user"  # and so xgenconsole_user_groups, xgenconsole_user_user_permissions
@@ -53,6 +62,13 @@ class ApiKey(models.Model):
     last_used_at = models.DateTimeField(null=True, blank=True)
     expires_at = models.DateTimeField(null=True, blank=True)
     revoked_at = models.DateTimeField(null=True, blank=True)
+    # Limits, enforced by the inference proxy; empty (null, []) means unlimited.
+    allowed_models = models.JSONField(default=list, blank=True, help_text="served names; [] = every model")
+    rpm = models.PositiveIntegerField(null=True, blank=True, help_text="requests per minute")
+    tpm = models.PositiveBigIntegerField(null=True, blank=True, help_text="tokens per minute")
+    daily_tokens = models.PositiveBigIntegerField(null=True, blank=True, help_text="tokens per UTC day")
+    monthly_tokens = models.PositiveBigIntegerField(null=True, blank=True, help_text="tokens per UTC month")
+    priority = models.PositiveSmallIntegerField(default=0, help_text="0-9; higher goes first when requests queue")
 
     class Meta:
         db_table = "xgenconsole_apikey"
@@ -74,6 +90,47 @@ class ApiKey(models.Model):
     def masked(self) -> str:
         return f"{self.prefix}…"
 
+    @property
+    def is_limited(self) -> bool:
+        return any(v is not None for v in (self.rpm, self.tpm, self.daily_tokens, self.monthly_tokens))
+
     @classmethod
     def generate(cls) -> str:
         return KEY_PREFIX + secrets.token_urlsafe(32)
+
+
+class AuditOutcome(models.TextChoices):
+    SUCCESS = "success"
+    REFUSED = "refused"  # not allowed, or the input was refused
+    FAILED = "failed"  # allowed, but it did not work
+
+
+class AuditEvent(models.Model):
+    """One change or sign-in, as it happened. Append-only: the application never changes or
+    deletes a row (save() refuses updates, delete() refuses), and no route does."""
+
+    at = models.DateTimeField(default=timezone.now, db_index=True)
+    # The actor's name as it was (the log outlives users; no foreign key), "cli" for commands,
+    # or the name typed at a failed sign-in.
+    actor = models.CharField(max_length=150, blank=True)
+    actor_id = models.IntegerField(null=True, blank=True)
+    action = models.CharField(max_length=32, db_index=True)
+    target = models.CharField(max_length=300, blank=True)
+    outcome = models.CharField(max_length=16, choices=AuditOutcome.choices, default=AuditOutcome.SUCCESS)
+    client = models.CharField(max_length=64, blank=True, help_text="client address")
+    detail = models.JSONField(default=dict, blank=True)
+
+    class Meta:
+        ordering = ["-at", "-pk"]
+        indexes = [models.Index(fields=["actor", "at"])]
+
+    def __str__(self) -> str:
+        return f"{self.at:%Y-%m-%d %H:%M:%S} {self.actor} {self.action} {self.target} ({self.outcome})"
+
+    def save(self, *args, **kwargs) -> None:
+        if not self._state.adding:
+            raise PermissionError("audit events are append-only")
+        super().save(*args, **kwargs)
+
+    def delete(self, *args, **kwargs):
+        raise PermissionError("audit events are append-only")

@@ -1,13 +1,21 @@
 """Writes for users and API keys."""
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from django.db import transaction
 from django.utils import timezone
 
-from accounts.credentials import key_cache
+from accounts.credentials import notify_changed
 from accounts.models import ApiKey, Role, User, hash_key
+
+# The limit fields of a key, as the API, the Keys page and createapikey name them.
+LIMIT_FIELDS = ("allowed_models", "rpm", "tpm", "daily_tokens", "monthly_tokens", "priority")
+MAX_PRIORITY = 9
+
+
+class KeyInputError(ValueError):
+    """A key field out of range (the API answers 400)."""
 
 
 def create_user(*, username: str, role: str, password: str | None, email: str = "") -> User:
@@ -22,18 +30,106 @@ def create_user(*, username: str, role: str, password: str | None, email: str = 
     return user
 
 
-def create_api_key(*, user: User, name: str, expires_at: datetime | None = None) -> tuple[ApiKey, str]:
-    """Returns the stored key and the raw key, which is never stored or shown again."""
+def update_user(*, user: User, role: str, is_active: bool, new_password: str = "") -> list[str]:
+    """Set a user's role, activity and (optionally) password; the names of what changed.
+
+    A superuser demoted below admin stops being a superuser (superusers rank as admin).
+    """
+    changed = []
+    if role not in Role.values:
+        raise ValueError(f"role must be one of {', '.join(Role.values)}")
+    if user.role != role:
+        changed.append("role")
+    if user.is_superuser and role != Role.ADMIN:
+        user.is_superuser = False
+        changed.append("is_superuser")
+    if user.is_active != is_active:
+        changed.append("is_active")
+    user.role = role
+    user.is_staff = role == Role.ADMIN
+    user.is_active = is_active
+    if new_password:
+        user.set_password(new_password)
+        changed.append("password")
+    user.save()
+    notify_changed("all")  # keys and sessions of this user carry the old role
+    return changed
+
+
+def clean_limits(values: dict) -> dict:
+    """Key limits as stored: counts >= 1 or None (unlimited), model names stripped, priority 0-9."""
+    out = {}
+    for field, value in values.items():
+        if field == "allowed_models":
+            if value is None:
+                value = []
+            if not isinstance(value, list | tuple) or not all(isinstance(m, str) for m in value):
+                raise KeyInputError("allowed_models must be a list of model names.")
+            names = sorted({m.strip() for m in value if m.strip()})
+            if any(len(m) > 255 for m in names) or len(names) > 500:
+                raise KeyInputError("allowed_models: at most 500 names of 255 characters.")
+            out[field] = names
+        elif field == "priority":
+            value = 0 if value is None else value
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_PRIORITY:
+                raise KeyInputError(f"priority must be 0-{MAX_PRIORITY}.")
+            out[field] = value
+        elif field in LIMIT_FIELDS:
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or not 1 <= value <= 10**15):
+                raise KeyInputError(f"{field} must be a whole number of at least 1, or empty for unlimited.")
+            out[field] = value
+        else:
+            raise KeyInputError(f"unknown key field {field!r}")
+    return out
+
+
+def expiry_in(days: int | None) -> datetime | None:
+    if days is None:
+        return None
+    if not isinstance(days, int) or not 1 <= days <= 3650:
+        raise KeyInputError("expires_in_days must be 1-3650.")
+    return timezone.now() + timedelta(days=days)
+
+
+def create_api_key(*, user: User, name: str, expires_at: datetime | None = None, **limits) -> tuple[ApiKey, str]:
+    """Returns the stored key and the raw key, which is never stored or shown again.
+    `limits`: allowed_models, rpm, tpm, daily_tokens, monthly_tokens, priority (absent: unlimited)."""
     raw = ApiKey.generate()
     key = ApiKey.objects.create(
-        user=user, name=name or "key", prefix=raw[:12], key_hash=hash_key(raw), expires_at=expires_at
+        user=user, name=(name or "key")[:100], prefix=raw[:12], key_hash=hash_key(raw), expires_at=expires_at,
+        **clean_limits(limits),
     )
     return key, raw
 
 
-def revoke_api_key(*, key: ApiKey) -> None:
-    """Revoked from now on; this process's key cache forgets it at once, others within the TTL."""
-    if key.revoked_at is None:
+def update_api_key(*, key: ApiKey, **changes) -> list[str]:
+    """Change a key's name, expiry (`expires_at`) or limits; the names of the fields that changed.
+    Takes effect at once in this process and, pushed, within moments everywhere."""
+    fields = {}
+    if "name" in changes:
+        name = (changes.pop("name") or "").strip()
+        if not name or len(name) > 100:
+            raise KeyInputError("name must be 1-100 characters.")
+        fields["name"] = name
+    if "expires_at" in changes:
+        fields["expires_at"] = changes.pop("expires_at")
+    fields.update(clean_limits(changes))
+    changed = [f for f, v in fields.items() if getattr(key, f) != v]
+    for field in changed:
+        setattr(key, field, fields[field])
+    if changed:
+        key.save(update_fields=changed)
+        notify_changed("keys", key.key_hash)
+    return changed
+
+
+def revoke_api_key(*, key: ApiKey) -> bool:
+    """Revoked from now on: every process's key cache forgets it (this one at once, others when
+    the push arrives, within the TTL at worst). False when it was revoked already."""
+    first = key.revoked_at is None
+    if first:
         key.revoked_at = timezone.now()
         key.save(update_fields=["revoked_at"])
-    key_cache.clear()
+    notify_changed("keys", key.key_hash)
+    return first

@@ -13,5 +13,7 @@ urlpatterns = [
     path("users/", views.users_page, name="users"),
     path("users/<int:user_id>/", views.user_edit, name="user-edit"),
     path("keys/", views.keys_page, name="keys"),
+    path("keys/<int:key_id>/", views.key_edit, name="key-edit"),
     path("keys/<int:key_id>/revoke/", views.key_revoke, name="key-revoke"),
+    path("audit/", views.audit_page, name="audit"),
 ]

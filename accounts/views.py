@@ -1,33 +1,44 @@
-"""Admin pages: users (create, edit role, activate, reset password) and API keys (create, revoke)."""
+"""Admin pages: users (create, edit role, activate, reset password), API keys (create with limits,
+edit limits, revoke) and the audit log."""
 from __future__ import annotations
-
-from datetime import timedelta
 
 from django.contrib import messages
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
-from django.utils import timezone
-from django.views.decorators.http import require_http_methods, require_POST
+from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
+from accounts.audit import ACTIONS, record_audit
 from accounts.auth import role_required
-from accounts.credentials import key_cache
-from accounts.forms import ApiKeyCreateForm, UserCreateForm, UserEditForm
-from accounts.models import ApiKey, Role, User
-from accounts.services import create_api_key, create_user, revoke_api_key
+from accounts.forms import ApiKeyCreateForm, ApiKeyEditForm, UserCreateForm, UserEditForm
+from accounts.models import ApiKey, AuditEvent, AuditOutcome, Role, User
+from accounts.services import (
+    create_api_key,
+    create_user,
+    expiry_in,
+    revoke_api_key,
+    update_api_key,
+    update_user,
+)
+
+AUDIT_PAGE_SIZE = 100
 
 
 @role_required(Role.ADMIN)
 @require_http_methods(["GET", "POST"])
 def users_page(request: HttpRequest) -> HttpResponse:
     form = UserCreateForm(request.POST or None)
-    if request.method == "POST" and form.is_valid():
-        user = create_user(
-            username=form.cleaned_data["username"],
-            role=form.cleaned_data["role"],
-            password=form.cleaned_data["password"],
-        )
-        messages.success(request, f"User {user.username} created as {user.role}.")
-        return redirect("users")
+    if request.method == "POST":
+        if form.is_valid():
+            user = create_user(
+                username=form.cleaned_data["username"],
+                role=form.cleaned_data["role"],
+                password=form.cleaned_data["password"],
+            )
+            record_audit(action="user_create", target=user.username, request=request, detail={"role": user.role})
+            messages.success(request, f"User {user.username} created as {user.role}.")
+            return redirect("users")
+        record_audit(action="user_create", target=request.POST.get("username", ""), request=request,
+                     outcome=AuditOutcome.REFUSED, detail={"errors": sorted(form.errors)})
     users = User.objects.order_by("username")
     return render(request, "accounts/users.html", {"form": form, "users": users})
 
@@ -36,18 +47,18 @@ def users_page(request: HttpRequest) -> HttpResponse:
 @require_http_methods(["GET", "POST"])
 def user_edit(request: HttpRequest, user_id: int) -> HttpResponse:
     target = get_object_or_404(User, pk=user_id)
-    form = UserEditForm(request.POST or None, initial={"role": target.role, "is_active": target.is_active})
+    shown_role = Role.ADMIN if target.is_superuser else target.role
+    form = UserEditForm(request.POST or None, initial={"role": shown_role, "is_active": target.is_active})
     if request.method == "POST" and form.is_valid():
         if target == request.user and (form.cleaned_data["role"] != Role.ADMIN or not form.cleaned_data["is_active"]):
+            record_audit(action="user_change", target=target.username, request=request,
+                         outcome=AuditOutcome.REFUSED, detail={"reason": "self-demotion"})
             messages.error(request, "You cannot demote or deactivate yourself.")
             return redirect("user-edit", user_id=target.pk)
-        target.role = form.cleaned_data["role"]
-        target.is_staff = target.role == Role.ADMIN
-        target.is_active = form.cleaned_data["is_active"]
-        if form.cleaned_data["new_password"]:
-            target.set_password(form.cleaned_data["new_password"])
-        target.save()
-        key_cache.clear()
+        changed = update_user(user=target, role=form.cleaned_data["role"], is_active=form.cleaned_data["is_active"],
+                              new_password=form.cleaned_data["new_password"])
+        record_audit(action="user_change", target=target.username, request=request,
+                     detail={"changed": changed, "role": target.role, "is_active": target.is_active})
         messages.success(request, f"User {target.username} saved.")
         return redirect("users")
     return render(request, "accounts/user_edit.html", {"form": form, "target": target})
@@ -57,14 +68,20 @@ def user_edit(request: HttpRequest, user_id: int) -> HttpResponse:
 @require_http_methods(["GET", "POST"])
 def keys_page(request: HttpRequest) -> HttpResponse:
     form = ApiKeyCreateForm(request.POST or None, initial={"user": request.user})
-    if request.method == "POST" and form.is_valid():
-        days = form.cleaned_data.get("expires_in_days")
-        expires = timezone.now() + timedelta(days=days) if days else None
-        key, raw = create_api_key(user=form.cleaned_data["user"], name=form.cleaned_data["name"], expires_at=expires)
-        # Post/Redirect/Get: the raw key rides in the session for exactly one page view.
-        request.session["new_api_key"] = raw
-        messages.success(request, f"Key {key.name} created. Copy it now: it is not shown again.")
-        return redirect("keys")
+    if request.method == "POST":
+        if form.is_valid():
+            owner = form.cleaned_data["user"]
+            key, raw = create_api_key(user=owner, name=form.cleaned_data["name"],
+                                      expires_at=expiry_in(form.cleaned_data.get("expires_in_days")),
+                                      **form.limits())
+            record_audit(action="key_create", target=f"key {key.pk} ({key.name})", request=request,
+                         detail={"user": owner.username, **_limits_detail(key)})
+            # Post/Redirect/Get: the raw key rides in the session for exactly one page view.
+            request.session["new_api_key"] = raw
+            messages.success(request, f"Key {key.name} created. Copy it now: it is not shown again.")
+            return redirect("keys")
+        record_audit(action="key_create", target=request.POST.get("name", ""), request=request,
+                     outcome=AuditOutcome.REFUSED, detail={"errors": sorted(form.errors)})
     new_key = request.session.pop("new_api_key", None)
     keys = ApiKey.objects.select_related("user").all()
     response = render(request, "accounts/keys.html", {"form": form, "keys": keys, "new_key": new_key})
@@ -73,10 +90,62 @@ def keys_page(request: HttpRequest) -> HttpResponse:
     return response
 
 
+def _limits_detail(key: ApiKey) -> dict:
+    return {"allowed_models": list(key.allowed_models or []), "rpm": key.rpm, "tpm": key.tpm,
+            "daily_tokens": key.daily_tokens, "monthly_tokens": key.monthly_tokens, "priority": key.priority}
+
+
+@role_required(Role.ADMIN)
+@require_http_methods(["GET", "POST"])
+def key_edit(request: HttpRequest, key_id: int) -> HttpResponse:
+    key = get_object_or_404(ApiKey.objects.select_related("user"), pk=key_id)
+    initial = {"name": key.name, "allowed_models": ", ".join(key.allowed_models or []), "rpm": key.rpm,
+               "tpm": key.tpm, "daily_tokens": key.daily_tokens, "monthly_tokens": key.monthly_tokens,
+               "priority": key.priority}
+    form = ApiKeyEditForm(request.POST or None, initial=initial)
+    if request.method == "POST":
+        if form.is_valid():
+            changed = update_api_key(key=key, name=form.cleaned_data["name"], **form.limits())
+            record_audit(action="key_change", target=f"key {key.pk} ({key.name})", request=request,
+                         detail={"changed": changed, **_limits_detail(key)})
+            messages.success(request, f"Key {key.name} saved." if changed else f"Key {key.name}: nothing changed.")
+            return redirect("keys")
+        record_audit(action="key_change", target=f"key {key.pk} ({key.name})", request=request,
+                     outcome=AuditOutcome.REFUSED, detail={"errors": sorted(form.errors)})
+    return render(request, "accounts/key_edit.html", {"form": form, "key": key},
+                  status=400 if request.method == "POST" else 200)
+
+
 @role_required(Role.ADMIN)
 @require_POST
 def key_revoke(request: HttpRequest, key_id: int) -> HttpResponse:
     key = get_object_or_404(ApiKey, pk=key_id)
     revoke_api_key(key=key)
+    record_audit(action="key_revoke", target=f"key {key.pk} ({key.name})", request=request)
     messages.success(request, f"Key {key.name} revoked.")
     return redirect("keys")
+
+
+@role_required(Role.ADMIN)
+@require_GET
+def audit_page(request: HttpRequest) -> HttpResponse:
+    """Every change and sign-in, newest first; filters by actor, action and outcome; older pages by id."""
+    actor = request.GET.get("actor", "").strip()[:150]
+    action = request.GET.get("action", "").strip()[:32]
+    outcome = request.GET.get("outcome", "").strip()[:16]
+    before = request.GET.get("before", "")
+    rows = AuditEvent.objects.all()
+    if actor:
+        rows = rows.filter(actor=actor)
+    if action:
+        rows = rows.filter(action=action)
+    if outcome:
+        rows = rows.filter(outcome=outcome)
+    if before.isdigit():
+        rows = rows.filter(pk__lt=int(before))
+    page = list(rows.order_by("-pk")[: AUDIT_PAGE_SIZE + 1])
+    older = page[AUDIT_PAGE_SIZE - 1].pk if len(page) > AUDIT_PAGE_SIZE else None
+    ctx = {"events": page[:AUDIT_PAGE_SIZE], "older": older, "actor": actor, "action": action, "outcome": outcome,
+           "actions": ACTIONS, "outcomes": AuditOutcome.values}
+    template = "accounts/partials/_audit_rows.html" if request.htmx else "accounts/audit.html"
+    return render(request, template, ctx)

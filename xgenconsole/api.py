@@ -9,6 +9,7 @@ from django.http import Http404, HttpRequest
 from ninja import NinjaAPI
 from ninja.errors import AuthenticationError, AuthorizationError, HttpError, ValidationError
 
+from accounts.api import audit_router, keys_router
 from accounts.auth import api_auth
 from accounts.errors import ApiError, json_error
 from hardware.api import router as hardware_router
@@ -34,6 +35,8 @@ api.add_router("/storage", storage_router, tags=["model store"])
 api.add_router("/download", download_router, tags=["downloads"])
 api.add_router("/management", management_router, tags=["serving"])
 api.add_router("/inference", inference_router, tags=["inference"])
+api.add_router("/keys", keys_router, tags=["keys"])
+api.add_router("/audit", audit_router, tags=["audit"])
 
 
 def _validation_message(exc: ValidationError) -> str:

@@ -215,6 +215,9 @@ def _rows_kept(before: dict[str, list[dict]], after: dict[str, list[dict]]) -> l
     return lost
 
 
+KEY_LIMIT_COLUMNS = {"allowed_models", "rpm", "tpm", "daily_tokens", "monthly_tokens", "priority"}
+
+
 def _upgrade(tmp_path: Path, release_tree: Path, *, database_url: str | None = None,
              fresh_database_url: str | None = None) -> None:
     old_env = _env(tmp_path / "data", database_url)
@@ -236,9 +239,14 @@ def _upgrade(tmp_path: Path, release_tree: Path, *, database_url: str | None = N
     _manage(REPO, new_env, "migrate", "-v", "0")
     after = _shell(REPO, new_env, SNAPSHOT, "SNAPSHOT")
     assert _rows_kept(before["rows"], after["rows"]) == []
-    for table in ("xgenconsole_user", "xgenconsole_apikey", "xgenconsole_user_groups",
+    for table in ("xgenconsole_user", "xgenconsole_user_groups",
                   "xgenconsole_user_user_permissions", "hub_downloadjob", "serving_modelinstance"):
         assert after["schema"][table] == before["schema"][table], f"{table} changed shape"
+    # 0.2.0 adds the key limits to the keys table (accounts 0003) and changes nothing it had.
+    old_keys, new_keys = before["schema"]["xgenconsole_apikey"], after["schema"]["xgenconsole_apikey"]
+    assert [c for c in new_keys["columns"] if c[0] not in KEY_LIMIT_COLUMNS] == old_keys["columns"]
+    assert {c[0] for c in new_keys["columns"]} - {c[0] for c in old_keys["columns"]} == KEY_LIMIT_COLUMNS
+    assert {k: v for k, v in new_keys["constraints"].items() if k in old_keys["constraints"]} == old_keys["constraints"]
 
     # ...and a fresh database of this version has exactly the upgraded one's shape.
     fresh_env = _env(tmp_path / "fresh", fresh_database_url)
@@ -263,7 +271,7 @@ def _upgrade(tmp_path: Path, release_tree: Path, *, database_url: str | None = N
     assert checked["login"] == 302 and checked["users_page"] == 200
     assert checked["viewer_perms"] == ["accounts.change_user", "accounts.view_apikey"]
     assert checked["viewer_groups"] == ["key-readers"]
-    assert checked["content_types"] == [["accounts", "apikey"], ["accounts", "user"]]
+    assert checked["content_types"] == [["accounts", "apikey"], ["accounts", "auditevent"], ["accounts", "user"]]
     assert checked["keys"] == [["ci", "admin"], ["old-laptop", "viewer"]]
     assert checked["job_created_by"] == "viewer"
     assert checked["instance"] == ["admin", "node-a", "gguf/Qwen_Qwen3-4B", ["LOADING", "READY"]]

@@ -1,19 +1,41 @@
 from django.core.management.base import BaseCommand, CommandError
 
+from accounts.audit import record_audit
 from accounts.models import User
-from accounts.services import create_api_key
+from accounts.services import KeyInputError, create_api_key, expiry_in
+
+
+def _models(value: str) -> list[str]:
+    return [m.strip() for m in value.split(",") if m.strip()]
 
 
 class Command(BaseCommand):
-    help = "Create an API key for a user and print it once (only its hash is stored)."
+    help = ("Create an API key for a user and print it once (only its hash is stored). "
+            "Limits left out are unlimited.")
 
     def add_arguments(self, parser):
         parser.add_argument("--username", required=True)
         parser.add_argument("--name", default="cli")
+        parser.add_argument("--expires-in-days", type=int)
+        parser.add_argument("--allowed-models", type=_models, default=None,
+                            help="comma-separated served model names (default: every model)")
+        parser.add_argument("--rpm", type=int, help="requests per minute")
+        parser.add_argument("--tpm", type=int, help="tokens per minute")
+        parser.add_argument("--daily-tokens", type=int, help="tokens per UTC day")
+        parser.add_argument("--monthly-tokens", type=int, help="tokens per UTC month")
+        parser.add_argument("--priority", type=int, help="0-9; higher goes first when requests queue")
 
     def handle(self, *args, username: str, name: str, **options):
         user = User.objects.filter(username=username).first()
         if user is None:
             raise CommandError(f"no user {username!r}")
-        _, raw = create_api_key(user=user, name=name)
+        limits = {f: options[f] for f in ("allowed_models", "rpm", "tpm", "daily_tokens", "monthly_tokens",
+                                          "priority") if options.get(f) is not None}
+        try:
+            key, raw = create_api_key(user=user, name=name, expires_at=expiry_in(options.get("expires_in_days")),
+                                      **limits)
+        except KeyInputError as exc:
+            raise CommandError(str(exc)) from None
+        record_audit(action="key_create", actor="cli", target=f"key {key.pk} ({key.name})",
+                     detail={"user": user.username, "via": "cli", **limits})
         self.stdout.write(raw)

@@ -3,6 +3,7 @@ import getpass
 from django.core.exceptions import ValidationError
 from django.core.management.base import BaseCommand, CommandError
 
+from accounts.audit import record_audit
 from accounts.models import Role, User
 from accounts.services import create_user
 
@@ -30,4 +31,5 @@ class Command(BaseCommand):
         except ValidationError as exc:
             raise CommandError("; ".join(exc.messages)) from None
         user = create_user(username=username, role=role, password=password, email=email)
+        record_audit(action="user_create", actor="cli", target=user.username, detail={"role": user.role, "via": "cli"})
         self.stdout.write(f"created user {user.username} ({user.role})")
