@@ -11,11 +11,14 @@ from django.http import HttpRequest, HttpResponse, StreamingHttpResponse
 from ninja import Field, Router, Schema
 from pydantic import ConfigDict
 
+from accounts.credentials import Principal, authenticate
+from accounts.errors import ErrorAnswer
 from serving.proxy import app as proxy_app
 from serving.proxy import metrics
-from serving.proxy.app import candidates_for, parse_body, request_id_from
+from serving.proxy.app import admit_request, candidates_for, parse_body, request_id_from
 from serving.proxy.errors import ProxyError
 from serving.proxy.upstream import open_upstream
+from serving.usage import RequestContext, recorder
 
 router = Router()
 
@@ -66,25 +69,50 @@ class EmbeddingRequest(_OpenAIBody):
     input: str | list
 
 
-def _error(exc: ProxyError) -> HttpResponse:
+def _error(exc: ErrorAnswer, ctx: RequestContext | None = None) -> HttpResponse:
     metrics.record_rejected(exc.code or str(exc.status))
-    return HttpResponse(exc.body(), status=exc.status, content_type="application/json")
+    response = HttpResponse(exc.body(), status=exc.status, content_type="application/json")
+    extra = list(exc.headers) + (ctx.rate_headers if ctx is not None else [])
+    if ctx is not None and ctx.principal is not None:
+        recorder.record_refused(ctx, status=exc.status, code=exc.code)
+    for name, value in extra:
+        response[name.decode("latin-1")] = value.decode("latin-1")
+    return response
+
+
+def _raw_headers(request: HttpRequest) -> list[tuple[bytes, bytes]]:
+    return [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in request.headers.items()]
+
+
+async def _principal(request: HttpRequest) -> Principal | None:
+    """The caller as the proxy sees it (with its key's limits); Ninja's auth has let it in already."""
+    try:
+        return await authenticate(dict(_raw_headers(request)), method=request.method,
+                                  scheme="https" if request.is_secure() else "http")
+    except ErrorAnswer:
+        return None
 
 
 async def _forward(request: HttpRequest, kind: str) -> HttpResponse:
-    raw_headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in request.headers.items()]
+    raw_headers = _raw_headers(request)
     request_id = request_id_from(dict(raw_headers))
     body = request.body
+    ctx = RequestContext(request_id=request_id, client=str(request.META.get("REMOTE_ADDR") or ""))
+    recorder.ensure_started()
+    operation = "embeddings" if request.path.rstrip("/").endswith("/embeddings") else "chat"  # chat or completions
     try:
         if len(body) > settings.PROXY_MAX_BODY_BYTES:
             raise ProxyError(413, "The request body is too large.", code="request_too_large")
-        candidates = await candidates_for(parse_body(body), kind=kind)
+        payload = parse_body(body)
+        ctx.principal = await _principal(request)
+        body = await admit_request(ctx, payload, body, operation=operation)
+        candidates = await candidates_for(payload, kind=kind, principal=ctx.principal)
         reply = await open_upstream(
             path=request.path, query=request.META.get("QUERY_STRING", "").encode("latin-1"), body=body,
-            candidates=candidates, headers=raw_headers, request_id=request_id,
+            candidates=candidates, headers=raw_headers, request_id=request_id, ctx=ctx,
         )
     except ProxyError as exc:
-        return _error(exc)
+        return _error(exc, ctx)
     response = StreamingHttpResponse(reply.chunks(), status=reply.status)
     for name, value in reply.headers():
         if name not in (b"content-length",):
@@ -94,15 +122,16 @@ async def _forward(request: HttpRequest, kind: str) -> HttpResponse:
 
 @router.get("/v1/models", response=ModelList, summary="List READY models")
 async def list_models(request: HttpRequest):
-    """Every READY model, one entry per served name with its replicas."""
-    return await proxy_app.list_models()
+    """Every READY model, one entry per served name with its replicas (for a key with
+    allowed_models, only those)."""
+    return await proxy_app.list_models(principal=await _principal(request))
 
 
 @router.get("/v1/models/{model}", response=ModelEntry, summary="One READY model")
 async def get_model(request: HttpRequest, model: str):
     """A READY model by served name; 404 model_not_found otherwise."""
     try:
-        return await proxy_app.get_model(model)
+        return await proxy_app.get_model(model, principal=await _principal(request))
     except ProxyError as exc:
         return _error(exc)
 
@@ -128,7 +157,7 @@ async def embeddings(request: HttpRequest, payload: EmbeddingRequest):
 @router.get("/embedding/v1/models", response=ModelList, summary="List READY embedding models")
 async def list_embedding_models(request: HttpRequest):
     """READY embedding models only."""
-    return await proxy_app.list_models(kind="embedding")
+    return await proxy_app.list_models(kind="embedding", principal=await _principal(request))
 
 
 @router.post("/embedding/v1/embeddings", summary="Embeddings (explicit embedding route)")

@@ -103,3 +103,52 @@ class InstanceEvent(models.Model):
 
     class Meta:
         ordering = ["at", "pk"]
+
+
+class UsageBucket(models.Model):
+    """Inference usage in one hour, per key, user, model, instance and node; summed by every web
+    process (serving.usage writes them in batches). Names are kept as they were (the rows outlive
+    keys, users and instances)."""
+
+    bucket_start = models.DateTimeField(help_text="the hour (UTC) the requests finished in")
+    key_id = models.IntegerField(default=0, help_text="0: a browser session, not a key")
+    key_name = models.CharField(max_length=100, blank=True)
+    username = models.CharField(max_length=150, blank=True)
+    model = models.CharField(max_length=255)
+    instance_id = models.IntegerField(default=0)
+    node = models.CharField(max_length=255, blank=True)
+    requests = models.BigIntegerField(default=0)
+    errors = models.BigIntegerField(default=0)
+    prompt_tokens = models.BigIntegerField(default=0)
+    completion_tokens = models.BigIntegerField(default=0)
+    busy_seconds = models.FloatField(default=0.0, help_text="this key's share of the instance's busy time")
+
+    class Meta:
+        constraints = [models.UniqueConstraint(
+            fields=["bucket_start", "key_id", "username", "model", "instance_id", "node"], name="usage_bucket_unique")]
+        indexes = [models.Index(fields=["key_id", "bucket_start"]), models.Index(fields=["bucket_start"])]
+
+
+class RequestLog(models.Model):
+    """One proxied request (never its prompt or answer); pruned after XGEN_REQUEST_LOG_DAYS."""
+
+    at = models.DateTimeField(db_index=True)
+    request_id = models.CharField(max_length=128, db_index=True)
+    key_id = models.IntegerField(default=0)
+    key_name = models.CharField(max_length=100, blank=True)
+    username = models.CharField(max_length=150, blank=True)
+    model = models.CharField(max_length=255, blank=True)
+    instance_id = models.IntegerField(null=True, blank=True)
+    node = models.CharField(max_length=255, blank=True)
+    status = models.IntegerField()
+    error = models.CharField(max_length=64, blank=True, help_text="the error code, when there was one")
+    ttft_ms = models.FloatField(null=True, blank=True)
+    duration_ms = models.FloatField(null=True, blank=True)
+    prompt_tokens = models.IntegerField(default=0)
+    completion_tokens = models.IntegerField(default=0)
+    stream = models.BooleanField(default=False)
+    client = models.CharField(max_length=64, blank=True)
+
+    class Meta:
+        ordering = ["-at", "-pk"]
+        indexes = [models.Index(fields=["key_id", "at"]), models.Index(fields=["model", "at"])]

@@ -1,6 +1,6 @@
 from django.urls import path
 
-from serving import views
+from serving import usage_views, views
 
 urlpatterns = [
     path("instances/", views.instances_page, name="instances"),
@@ -11,4 +11,6 @@ urlpatterns = [
     path("instances/<int:pk>/playground", views.playground, name="instance-playground"),
     path("instances/<int:pk>/unload", views.instance_unload, name="instance-unload"),
     path("instances/<int:pk>/restart", views.instance_restart, name="instance-restart"),
+    path("usage/", usage_views.usage_page, name="usage"),
+    path("requests/", usage_views.requests_page, name="requests"),
 ]

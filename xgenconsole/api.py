@@ -17,6 +17,7 @@ from hub.api import download_router, storage_router
 from live.db import connection_lost
 from serving.api import management_router
 from serving.inference_api import router as inference_router
+from serving.usage_api import requests_router, usage_router
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +37,8 @@ api.add_router("/download", download_router, tags=["downloads"])
 api.add_router("/management", management_router, tags=["serving"])
 api.add_router("/inference", inference_router, tags=["inference"])
 api.add_router("/keys", keys_router, tags=["keys"])
+api.add_router("/usage", usage_router, tags=["usage"])
+api.add_router("/requests", requests_router, tags=["usage"])
 api.add_router("/audit", audit_router, tags=["audit"])
 
 

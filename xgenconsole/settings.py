@@ -64,6 +64,9 @@ PROXY_MAX_BODY_BYTES = env_int("XGEN_PROXY_MAX_BODY", 16 * 1024 * 1024, minimum=
 PROXY_MAX_SSE_EVENT_BYTES = env_int("XGEN_PROXY_MAX_SSE_EVENT", 8 * 1024 * 1024, minimum=1024)
 PROXY_CONNECT_TIMEOUT_S = env_int("XGEN_PROXY_CONNECT_TIMEOUT", 5, minimum=1)
 API_KEY_CACHE_S = env_int("XGEN_API_KEY_CACHE", 30, minimum=0)
+# Usage buckets and request-log rows: written by every web process in batches, at least this often.
+USAGE_FLUSH_S = env_int("XGEN_USAGE_FLUSH", 5, minimum=1, maximum=10)
+REQUEST_LOG_DAYS = env_int("XGEN_REQUEST_LOG_DAYS", 14, minimum=1)
 
 # Request bodies, on every route and every server: checked before a byte of the body is read.
 # A request without credentials may send at most ANONYMOUS_MAX_BODY_BYTES (the login form).

@@ -24,6 +24,7 @@ from live.db import DatabaseUnavailable, run_db
 from serving.events import node_group
 from serving.node.supervisor import Supervisor
 from serving.node.worker import AgentWorker
+from serving.usage import RequestLogPruner
 
 log = logging.getLogger("xgen.agent")
 
@@ -38,6 +39,7 @@ def default_workers() -> list[AgentWorker]:
     workers.append(InventoryWorker())  # hardware: GPUs, CPU/RAM and backends; refreshed live
     workers.append(HubWorker())  # hub: store index, demo model, Hugging Face download jobs
     workers.append(Supervisor())  # serving: backend processes of this node's instances
+    workers.append(RequestLogPruner())  # serving: the request log's retention (XGEN_REQUEST_LOG_DAYS)
     return workers
 
 

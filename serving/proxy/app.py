@@ -8,6 +8,10 @@ serving/inference_api.py.
 Rules held here: one pooled aiohttp session per process; chunks are forwarded as they arrive;
 a client that disconnects cancels the upstream request; a backend that dies mid-stream ends
 an SSE stream with an error event; every error is OpenAI-shaped JSON.
+
+A key's limits are checked here before a request is forwarded (`admit_request`: allowed
+models, rpm/tpm and token quotas through serving.proxy.limits), and every request is counted
+(serving.usage) in memory, written in batches off this path.
 """
 from __future__ import annotations
 
@@ -19,13 +23,15 @@ import uuid
 
 from django.conf import settings
 
-from accounts.credentials import authenticate
+from accounts.credentials import Principal, authenticate
 from accounts.errors import ErrorAnswer, error_body
 from live.db import DatabaseUnavailable
 from serving.proxy import metrics
 from serving.proxy.errors import ProxyError
+from serving.proxy.limits import limiter
 from serving.proxy.replicas import Backend, routing_table
 from serving.proxy.upstream import UpstreamReply, open_upstream
+from serving.usage import RequestContext, recorder
 
 log = logging.getLogger("xgen.proxy")
 
@@ -75,21 +81,23 @@ def _model_entry(backends: list[Backend]) -> dict:
     }
 
 
-async def list_models(*, kind: str | None = None) -> dict:
-    """Every READY model (one entry per served name, replicas listed) in OpenAI's list shape."""
+async def list_models(*, kind: str | None = None, principal: Principal | None = None) -> dict:
+    """Every READY model (one entry per served name, replicas listed) in OpenAI's list shape;
+    for a key with allowed_models, only those."""
     snap = await routing_table.snapshot()
     data = [
         _model_entry(group) for name, group in sorted(snap.by_name.items())
-        if kind is None or group[0].type == kind
+        if (kind is None or group[0].type == kind) and (principal is None or principal.may_use(name))
     ]
     return {"object": "list", "data": data}
 
 
-async def get_model(name: str, *, kind: str | None = None) -> dict:
-    """One READY model by served name; ProxyError 404 model_not_found otherwise."""
+async def get_model(name: str, *, kind: str | None = None, principal: Principal | None = None) -> dict:
+    """One READY model by served name; ProxyError 404 model_not_found otherwise (also for a model
+    the key may not use: it is not in the key's list)."""
     snap = await routing_table.snapshot()
     group = snap.by_name.get(name)
-    if not group or (kind is not None and group[0].type != kind):
+    if not group or (kind is not None and group[0].type != kind) or (principal and not principal.may_use(name)):
         raise ProxyError(404, f"The model '{name}' does not exist or is not ready.", code="model_not_found")
     return _model_entry(group)
 
@@ -107,13 +115,16 @@ def parse_body(body: bytes) -> dict:
     return payload
 
 
-async def candidates_for(payload: dict, *, kind: str | None) -> list[Backend]:
-    """The READY replicas for the body's `model`, or for the path's kind when it names none."""
+async def candidates_for(payload: dict, *, kind: str | None, principal: Principal | None = None) -> list[Backend]:
+    """The READY replicas for the body's `model`, or for the path's kind when it names none
+    (then only models the key may use)."""
     snap = await routing_table.snapshot()
     model = payload.get("model")
     if model is not None:
         if not isinstance(model, str) or not model:
             raise ProxyError(400, "`model` must be a non-empty string.", code="invalid_request")
+        if principal is not None and not principal.may_use(model):
+            raise _not_allowed(model)
         group = snap.by_name.get(model)
         if group:
             return group
@@ -121,9 +132,50 @@ async def candidates_for(payload: dict, *, kind: str | None) -> list[Backend]:
             raise ProxyError(503, f"No backend for '{model}' is ready yet.", code="no_backend")
         raise ProxyError(404, f"The model '{model}' does not exist or is not loaded.", code="model_not_found")
     group = snap.by_type.get(kind or "llm")
+    if group and principal is not None and principal.allowed_models is not None:
+        group = [b for b in group if principal.may_use(b.model_name)]
+        if not group:
+            raise ProxyError(403, f"This key may use only {', '.join(sorted(principal.allowed_models))}; "
+                                  "name one as `model`.", code="model_not_allowed")
     if not group:
         raise ProxyError(503, f"No {kind or 'llm'} model is ready.", code="no_backend")
     return group
+
+
+def _not_allowed(model: str) -> ProxyError:
+    return ProxyError(403, f"This API key may not use the model '{model}'.", code="model_not_allowed")
+
+
+async def admit_request(ctx: RequestContext, payload: dict, body: bytes, *, operation: str) -> bytes:
+    """Before forwarding: the key's allowed models and limits (ProxyError 403 / 429), and, for a
+    stream, usage asked of the backend when the client did not ask (the proxy counts tokens from
+    it and drops that chunk before the client sees it). Returns the body to forward."""
+    p = ctx.principal
+    model = payload.get("model")
+    ctx.model = model[:255] if isinstance(model, str) else ""
+    ctx.stream = payload.get("stream") is True
+    if p is not None:
+        if isinstance(model, str) and model and not p.may_use(model):
+            raise _not_allowed(model)
+        if p.limited:
+            verdict = await limiter().admit(p)
+            if not verdict.allowed:
+                raise ProxyError(429, verdict.message(p), code=verdict.code, headers=verdict.headers)
+            ctx.rate_headers = verdict.headers
+    if ctx.stream and operation in ("chat", "completions"):
+        options = payload.get("stream_options")
+        if not (isinstance(options, dict) and options.get("include_usage") is True):
+            payload["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
+            ctx.drop_usage_chunk = True
+            body = json.dumps(payload).encode()
+    return body
+
+
+async def peek_headers(principal: Principal | None) -> list[tuple[bytes, bytes]]:
+    """The x-ratelimit-* headers of a limited key, without counting a request."""
+    if principal is None or not (principal.rpm or principal.tpm):
+        return []
+    return (await limiter().admit(principal, cost=0)).headers
 
 
 def request_id_from(headers: dict[bytes, bytes]) -> str:
@@ -190,6 +242,9 @@ async def proxy_app(scope, receive, send) -> None:
     headers = dict(scope["headers"])
     request_id = request_id_from(headers)
     state = {"started": False}
+    peer = scope.get("client")
+    ctx = RequestContext(request_id=request_id, client=str(peer[0]) if peer else "")
+    recorder.ensure_started()
 
     async def tracked_send(message: dict) -> None:
         if message["type"] == "http.response.start":
@@ -198,7 +253,7 @@ async def proxy_app(scope, receive, send) -> None:
 
     try:
         try:
-            await _handle(scope, receive, tracked_send, headers, request_id)
+            await _handle(scope, receive, tracked_send, headers, ctx)
         except DatabaseUnavailable as exc:
             # A key or session lookup, or the first routing table, needs the database and it is
             # down (restarting): a clean, retryable answer; the next request tries again.
@@ -208,17 +263,23 @@ async def proxy_app(scope, receive, send) -> None:
                              code="database_unavailable", headers=[(b"retry-after", b"1")]) from None
     except ErrorAnswer as exc:  # ProxyError, or a refused credential
         metrics.record_rejected(exc.code or str(exc.status))
+        if ctx.principal is not None:
+            recorder.record_refused(ctx, status=exc.status, code=exc.code)
         if not state["started"]:
-            await _send_json(send, exc.status, exc.body(), request_id=request_id, headers=exc.headers)
+            await _send_json(send, exc.status, exc.body(), request_id=request_id,
+                             headers=exc.headers + ctx.rate_headers)
     except Exception:
         log.exception("proxy failed on %s %s (request %s)", scope.get("method"), scope.get("path"), request_id)
+        if ctx.principal is not None:
+            recorder.record_refused(ctx, status=500, code="internal_error")
         if not state["started"]:
             body = json.dumps(error_body("Internal proxy error; the server log has the details.",
                                          status=500, code="internal_error")).encode()
             await _send_json(send, 500, body, request_id=request_id)
 
 
-async def _handle(scope, receive, send, headers: dict[bytes, bytes], request_id: str) -> None:
+async def _handle(scope, receive, send, headers: dict[bytes, bytes], ctx: RequestContext) -> None:
+    request_id = ctx.request_id
     path: str = scope["path"]
     method: str = scope["method"]
     if path == "/metrics" or path == "/metrics/":
@@ -230,7 +291,7 @@ async def _handle(scope, receive, send, headers: dict[bytes, bytes], request_id:
         return
     if path.startswith("/metrics"):
         raise ProxyError(404, f"Unknown path {path}.", code="not_found")
-    await authenticate(headers, method=method, scheme=scope.get("scheme", "http"))
+    principal = await authenticate(headers, method=method, scheme=scope.get("scheme", "http"))
     want, operation, kind, embedding_only = resolve_operation(path)
     if method != want:
         raise ProxyError(405, f"{path} accepts {want} only.", code="method_not_allowed",
@@ -238,22 +299,25 @@ async def _handle(scope, receive, send, headers: dict[bytes, bytes], request_id:
     if operation in ("models", "model"):
         only = "embedding" if embedding_only else None
         if operation == "models":
-            answer = await list_models(kind=only)
+            answer = await list_models(kind=only, principal=principal)
         else:
-            answer = await get_model(path.rsplit("/v1/models/", 1)[1], kind=only)
-        await _send_json(send, 200, json.dumps(answer).encode(), request_id=request_id)
+            answer = await get_model(path.rsplit("/v1/models/", 1)[1], kind=only, principal=principal)
+        await _send_json(send, 200, json.dumps(answer).encode(), request_id=request_id,
+                         headers=await peek_headers(principal))
         return
 
     body = await read_body(receive, headers, limit=settings.PROXY_MAX_BODY_BYTES, timeout_s=settings.BODY_TIMEOUT_S)
     if body is None:
         return  # the client left while sending
     payload = parse_body(body)
-    candidates = await candidates_for(payload, kind=kind)
-    await _forward(scope, receive, send, path=path, body=body, candidates=candidates, request_id=request_id)
+    ctx.principal = principal  # from here on, the request is in the request log
+    body = await admit_request(ctx, payload, body, operation=operation)
+    candidates = await candidates_for(payload, kind=kind, principal=principal)
+    await _forward(scope, receive, send, path=path, body=body, candidates=candidates, ctx=ctx)
 
 
 async def _forward(scope, receive, send, *, path: str, body: bytes, candidates: list[Backend],
-                   request_id: str) -> None:
+                   ctx: RequestContext) -> None:
     """Open the upstream request and pass its answer through, watching for the client leaving."""
     current = asyncio.current_task()
     flags = {"gone": False, "done": False}
@@ -272,7 +336,8 @@ async def _forward(scope, receive, send, *, path: str, body: bytes, candidates: 
     stream = None
     try:
         reply = await open_upstream(path=path, query=scope.get("query_string", b""), body=body,
-                                    candidates=candidates, headers=scope["headers"], request_id=request_id)
+                                    candidates=candidates, headers=scope["headers"], request_id=ctx.request_id,
+                                    ctx=ctx)
         if reply.whole_body_size() is not None:
             data = await reply.read_whole()
             flags["done"] = True

@@ -1,5 +1,7 @@
 """The upstream side of the proxy: one pooled aiohttp client per process, sending a request to
-the least busy replica and passing its answer through chunk by chunk (SSE in whole events)."""
+the least busy replica and passing its answer through chunk by chunk (SSE in whole events).
+When an exchange finishes, its usage is counted (serving.usage) and its tokens charged to the
+key's limits (serving.proxy.limits), in memory: nothing here waits for the database."""
 from __future__ import annotations
 
 import asyncio
@@ -16,7 +18,9 @@ from django.conf import settings
 from accounts.errors import error_body
 from serving.proxy import metrics
 from serving.proxy.errors import ProxyError
+from serving.proxy.limits import limiter, shutdown_limiter
 from serving.proxy.replicas import Backend, routing_table
+from serving.usage import RequestContext, recorder
 
 log = logging.getLogger("xgen.proxy")
 
@@ -62,7 +66,12 @@ async def shutdown_proxy() -> None:
     """Close the pooled client and stop the routing table's background refresh (lifespan
     shutdown or process exit)."""
     global _client
+    from accounts.credentials import upkeep
+
     await routing_table.stop()
+    await shutdown_limiter()
+    await recorder.stop()  # what was counted since the last write: nothing is lost on a graceful stop
+    await upkeep.stop()
     if _client is not None and not _client.closed:
         try:
             await _client.close()
@@ -81,6 +90,9 @@ class UpstreamReply:
     started: float
     first_byte_s: float
     request_id: str
+    ctx: RequestContext | None = None
+    busy_mark: float = 0.0
+    first_chunk_s: float | None = None
     _finished: bool = False
 
     @property
@@ -99,6 +111,8 @@ class UpstreamReply:
             if k.lower() not in DROP_RESPONSE_HEADERS
         ]
         out.append((b"x-request-id", self.request_id.encode()))
+        if self.ctx is not None and self.ctx.rate_headers:
+            out.extend(self.ctx.rate_headers)
         return out
 
     def whole_body_size(self) -> int | None:
@@ -135,8 +149,11 @@ class UpstreamReply:
         pending: list[bytes] = []  # bytes after the last event boundary, in arrival order
         pending_size = 0
         limit = settings.PROXY_MAX_SSE_EVENT_BYTES
+        strip = sse and self.ctx is not None and self.ctx.drop_usage_chunk
         try:
             async for chunk in self.response.content.iter_any():
+                if self.first_chunk_s is None:
+                    self.first_chunk_s = time.perf_counter() - self.started
                 tail = chunk[-USAGE_TAIL:] if len(chunk) >= USAGE_TAIL else (tail + chunk)[-USAGE_TAIL:]
                 if sse:
                     # Only the new bytes are scanned (plus 3 before them, for a boundary that spans).
@@ -153,6 +170,10 @@ class UpstreamReply:
                     rest = chunk[end:]
                     pending, pending_size = ([rest], len(rest)) if rest else ([], 0)
                     chunk = out
+                    if strip and b'"usage"' in chunk:
+                        chunk = strip_usage_events(chunk)
+                        if not chunk:
+                            continue
                 yield chunk
             clean = True
             if pending:
@@ -191,17 +212,44 @@ class UpstreamReply:
         if tail and self.status < 400:
             for kind, value in USAGE_RE.findall(tail):
                 tokens[kind] = int(value)  # the last occurrence wins (a stream's final chunk)
+        status = metrics.CLIENT_GONE if cancelled else self.status
+        prompt, completion = tokens.get(b"prompt_tokens", 0), tokens.get(b"completion_tokens", 0)
         metrics.record(
-            model=self.backend.model_name, instance_id=self.backend.instance_id,
-            status=metrics.CLIENT_GONE if cancelled else self.status,
+            model=self.backend.model_name, instance_id=self.backend.instance_id, status=status,
             duration_s=time.perf_counter() - self.started, first_byte_s=self.first_byte_s,
-            prompt_tokens=tokens.get(b"prompt_tokens", 0), completion_tokens=tokens.get(b"completion_tokens", 0),
-            error=error,
+            prompt_tokens=prompt, completion_tokens=completion, error=error,
         )
+        ctx = self.ctx
+        if ctx is not None:
+            busy = recorder.busy_stop(self.backend.instance_id, self.busy_mark)
+            first = self.first_chunk_s if self.is_sse and self.first_chunk_s is not None else self.first_byte_s
+            recorder.record(ctx, model=self.backend.model_name, instance_id=self.backend.instance_id,
+                            node=self.backend.node, status=status, error=error, prompt_tokens=prompt,
+                            completion_tokens=completion, busy_s=busy,
+                            ttft_s=(self.started - ctx.t0) + first,
+                            failed=error is not None or (status >= 400 and status != metrics.CLIENT_GONE))
+            if ctx.principal is not None and (prompt or completion):
+                limiter().charge(ctx.principal, prompt + completion)
 
     def abort(self) -> None:
         """Close the upstream connection now (the client went away)."""
         self.finish(cancelled=True)
+
+
+def strip_usage_events(data: bytes) -> bytes:
+    """`data` (whole SSE events) without the usage-only chunk (`"choices": []` and a usage) that the
+    proxy asked the backend for on behalf of a client that did not ask for it."""
+    kept = []
+    for event in re.split(rb"(?<=\n\n)|(?<=\r\n\r\n)", data):
+        if b'"usage"' in event and event.lstrip().startswith(b"data:"):
+            try:
+                payload = json.loads(event.lstrip()[5:])
+            except ValueError:
+                payload = None
+            if isinstance(payload, dict) and payload.get("usage") and not payload.get("choices"):
+                continue
+        kept.append(event)
+    return b"".join(kept)
 
 
 def _error_event(message: str) -> bytes:
@@ -226,8 +274,10 @@ def forward_headers(raw: list[tuple[bytes, bytes]], request_id: str) -> list[tup
 
 
 async def open_upstream(*, path: str, query: bytes, body: bytes, candidates: list[Backend],
-                        headers: list[tuple[bytes, bytes]], request_id: str) -> UpstreamReply:
-    """Send the request to the least busy replica (the next one if it refuses); return at headers."""
+                        headers: list[tuple[bytes, bytes]], request_id: str,
+                        ctx: RequestContext | None = None) -> UpstreamReply:
+    """Send the request to the least busy replica (the next one if it refuses); return at headers.
+    With `ctx`, the exchange is counted in the usage buckets and the request log when it finishes."""
     upstream_path = path[path.index("/v1/"):]
     suffix = "?" + query.decode("latin-1") if query else ""
     fwd = forward_headers(headers, request_id)
@@ -238,42 +288,43 @@ async def open_upstream(*, path: str, query: bytes, body: bytes, candidates: lis
     while attempts:
         backend = attempts.pop(0)
         backend.in_flight += 1
+        busy_mark = recorder.busy_start(backend.instance_id) if ctx is not None else 0.0
         started = time.perf_counter()
         try:
             response = await session.post(backend.base_url + upstream_path + suffix, data=body, headers=fwd)
-        except aiohttp.ClientConnectorError as exc:
-            # Refused before a byte was sent: this replica is gone, try the next.
+        except BaseException as exc:
             backend.in_flight -= 1
-            backend.mark_down()
-            last_exc = exc
-            metrics.record(model=backend.model_name, instance_id=backend.instance_id, status=502,
-                           duration_s=time.perf_counter() - started, first_byte_s=None, error="connect")
-            continue
-        except aiohttp.ServerDisconnectedError as exc:
-            # Closed before answering; most often a pooled connection to a backend that restarted:
-            # one more try on a fresh connection tells a restart from a dead replica.
-            backend.in_flight -= 1
-            last_exc = exc
-            if id(backend) not in retried:
-                retried.add(id(backend))
-                attempts.insert(0, backend)
-            else:
+            if ctx is not None:
+                recorder.busy_stop(backend.instance_id, busy_mark)
+            if isinstance(exc, aiohttp.ClientConnectorError):
+                # Refused before a byte was sent: this replica is gone, try the next.
                 backend.mark_down()
+                last_exc = exc
                 metrics.record(model=backend.model_name, instance_id=backend.instance_id, status=502,
                                duration_s=time.perf_counter() - started, first_byte_s=None, error="connect")
-            continue
-        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-            backend.in_flight -= 1
-            metrics.record(model=backend.model_name, instance_id=backend.instance_id, status=502,
-                           duration_s=time.perf_counter() - started, first_byte_s=None, error="upstream")
-            raise ProxyError(502, f"The backend failed before answering: {exc.__class__.__name__}: {exc}",
-                             code="upstream_error") from None
-        except BaseException:
-            backend.in_flight -= 1
+                continue
+            if isinstance(exc, aiohttp.ServerDisconnectedError):
+                # Closed before answering; most often a pooled connection to a backend that restarted:
+                # one more try on a fresh connection tells a restart from a dead replica.
+                last_exc = exc
+                if id(backend) not in retried:
+                    retried.add(id(backend))
+                    attempts.insert(0, backend)
+                else:
+                    backend.mark_down()
+                    metrics.record(model=backend.model_name, instance_id=backend.instance_id, status=502,
+                                   duration_s=time.perf_counter() - started, first_byte_s=None, error="connect")
+                continue
+            if isinstance(exc, TimeoutError | aiohttp.ClientError | OSError):
+                metrics.record(model=backend.model_name, instance_id=backend.instance_id, status=502,
+                               duration_s=time.perf_counter() - started, first_byte_s=None, error="upstream")
+                raise ProxyError(502, f"The backend failed before answering: {exc.__class__.__name__}: {exc}",
+                                 code="upstream_error") from None
             raise
         backend.down_until = 0.0
         return UpstreamReply(backend=backend, response=response, started=started,
-                             first_byte_s=time.perf_counter() - started, request_id=request_id)
+                             first_byte_s=time.perf_counter() - started, request_id=request_id,
+                             ctx=ctx, busy_mark=busy_mark)
     names = ", ".join(sorted({b.model_name for b in candidates}))
     raise ProxyError(502, f"No backend for {names} accepted the connection ({last_exc}).",
                      code="upstream_unreachable")

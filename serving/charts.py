@@ -1,0 +1,78 @@
+"""Charts drawn on the server as inline SVG (no chart library, nothing from a CDN): stacked bars
+over time, one colour per series, a tooltip per bar segment, and a legend."""
+from __future__ import annotations
+
+from django.utils.html import escape
+from django.utils.safestring import SafeString, mark_safe
+
+PALETTE = ("#2459d6", "#1f8a4c", "#b7791f", "#6b46c1", "#c53030", "#2b6cb0", "#718096", "#d69e2e")
+MAX_SERIES = len(PALETTE) - 1  # the rest is summed as "other"
+IDLE_COLOUR = "#cbd5e0"
+
+
+def _short(value: float) -> str:
+    for limit, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= limit:
+            return f"{value / limit:.1f}{suffix}"
+    return f"{value:.0f}" if value >= 10 or value == int(value) else f"{value:.2f}"
+
+
+def top_series(series: dict[str, list[float]], keep: int = MAX_SERIES) -> dict[str, list[float]]:
+    """The `keep` largest series by total, the rest summed as "other" (idle stays apart)."""
+    named = {k: v for k, v in series.items() if k != "(idle)"}
+    order = sorted(named, key=lambda k: -sum(named[k]))
+    out = {k: named[k] for k in order[:keep]}
+    rest = order[keep:]
+    if rest:
+        out["other"] = [sum(named[k][i] for k in rest) for i in range(len(named[rest[0]]))]
+    if "(idle)" in series:
+        out["(idle)"] = series["(idle)"]
+    return out
+
+
+def stacked_bars(*, labels: list[str], series: dict[str, list[float]], unit: str = "", chart_id: str = "",
+                 width: int = 760, height: int = 190) -> SafeString:
+    """An SVG of one bar per label, stacked by series. Empty data draws an empty frame with a note."""
+    series = top_series(series)
+    left, right, top, bottom = 48, 8, 10, 22
+    plot_w, plot_h = width - left - right, height - top - bottom
+    n = max(1, len(labels))
+    totals = [sum(values[i] for values in series.values()) for i in range(len(labels))]
+    peak = max(totals, default=0) or 1.0
+    slot = plot_w / n
+    bar = max(1.0, slot * 0.8)
+    parts = [f'<svg class="chart" id="{escape(chart_id)}" viewBox="0 0 {width} {height}" role="img" '
+             f'preserveAspectRatio="none" xmlns="http://www.w3.org/2000/svg">']
+    parts.append(f'<line x1="{left}" y1="{top + plot_h}" x2="{width - right}" y2="{top + plot_h}" stroke="#dfe3e8"/>')
+    for frac in (0.5, 1.0):
+        y = top + plot_h * (1 - frac)
+        parts.append(f'<line x1="{left}" y1="{y:.1f}" x2="{width - right}" y2="{y:.1f}" stroke="#eef1f4"/>')
+        parts.append(f'<text x="{left - 4}" y="{y + 4:.1f}" text-anchor="end" font-size="10" fill="#6b7685">'
+                     f'{escape(_short(peak * frac))}</text>')
+    colours = {name: (IDLE_COLOUR if name == "(idle)" else PALETTE[i % len(PALETTE)])
+               for i, name in enumerate(series)}
+    for i, label in enumerate(labels):
+        x = left + i * slot + (slot - bar) / 2
+        y = top + plot_h
+        for name, values in series.items():
+            value = values[i]
+            if value <= 0:
+                continue
+            h = plot_h * value / peak
+            y -= h
+            parts.append(f'<rect x="{x:.1f}" y="{y:.1f}" width="{bar:.1f}" height="{max(h, 0.5):.1f}" '
+                         f'fill="{colours[name]}"><title>{escape(label)} · {escape(name)}: '
+                         f'{escape(_short(value))} {escape(unit)}</title></rect>')
+    if labels:
+        for i in sorted({0, len(labels) // 2, len(labels) - 1}):
+            x = left + i * slot + slot / 2
+            anchor = "start" if i == 0 else "end" if i == len(labels) - 1 else "middle"
+            parts.append(f'<text x="{x:.1f}" y="{height - 6}" text-anchor="{anchor}" font-size="10" '
+                         f'fill="#6b7685">{escape(labels[i])}</text>')
+    if not any(totals):
+        parts.append(f'<text x="{left + plot_w / 2}" y="{top + plot_h / 2}" text-anchor="middle" font-size="12" '
+                     f'fill="#6b7685">no data in this range</text>')
+    parts.append("</svg>")
+    legend = "".join(f'<span class="legend-item"><i style="background:{colours[name]}"></i>{escape(name)}</span>'
+                     for name in series)
+    return mark_safe("".join(parts) + f'<div class="legend">{legend}</div>')  # noqa: S308 (every value escaped)
