@@ -5,6 +5,7 @@ from django.http import HttpRequest
 from django.shortcuts import get_object_or_404
 from ninja import Query, Router, Schema, Status
 
+from accounts.audit import record_audit
 from accounts.auth import admin_auth, operator_auth, require_role
 from accounts.errors import ApiError
 from hub import services
@@ -89,9 +90,12 @@ def delete_model(request: HttpRequest, prefix: str):
     try:
         removed = services.delete_model(prefix=prefix)
     except InvalidPrefix as exc:
+        record_audit(action="model_delete", target=prefix, request=request, outcome="refused", detail={"reason": str(exc)})
         raise _bad_input(exc) from None
     except StoreError as exc:
+        record_audit(action="model_delete", target=prefix, request=request, outcome="failed", detail={"reason": str(exc)})
         raise _store_failed(exc) from None
+    record_audit(action="model_delete", target=prefix, request=request, detail={"deleted_objects": removed})
     return {"prefix": prefix.rstrip("/"), "deleted_objects": removed}
 
 
@@ -99,12 +103,17 @@ def delete_model(request: HttpRequest, prefix: str):
                      summary="Upload a file or folder on the server (operator+)")
 def upload(request: HttpRequest, body: UploadIn):
     require_role(request, "operator")
+    target = f"{body.format}/{body.name} from {body.local_path}"
     try:
-        return services.upload_local_model(local_path=body.local_path, format=body.format, name=body.name)
+        artifact = services.upload_local_model(local_path=body.local_path, format=body.format, name=body.name)
     except (InvalidPrefix, services.HubInputError) as exc:
+        record_audit(action="upload", target=target, request=request, outcome="refused", detail={"reason": str(exc)})
         raise _bad_input(exc) from None
     except StoreError as exc:
+        record_audit(action="upload", target=target, request=request, outcome="failed", detail={"reason": str(exc)})
         raise _store_failed(exc) from None
+    record_audit(action="upload", target=target, request=request)
+    return artifact
 
 
 def _job_out(job: DownloadJob) -> dict:
@@ -124,7 +133,11 @@ def start_download(request: HttpRequest, body: DownloadIn):
         job = services.create_download_job(repo_id=body.repo_id, revision=body.revision, format=body.format,
                                            allow_patterns=body.allow_patterns, user=user)
     except (InvalidPrefix, services.HubInputError) as exc:
+        record_audit(action="download", target=body.repo_id, request=request, outcome="refused",
+                     detail={"reason": str(exc)})
         raise _bad_input(exc) from None
+    record_audit(action="download", target=body.repo_id, request=request,
+                 detail={"job": job.pk, "revision": job.revision, "format": job.format})
     publish_new_job(job)
     return Status(202, _job_out(job))
 

@@ -11,6 +11,7 @@ from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_http_methods, require_POST
 
+from accounts.audit import record_audit
 from accounts.auth import role_required
 from accounts.models import Role
 from hub import services
@@ -59,11 +60,14 @@ def model_delete(request: HttpRequest) -> HttpResponse:
     try:
         removed = services.delete_model(prefix=prefix)
     except InvalidPrefix as exc:
+        record_audit(action="model_delete", target=prefix, request=request, outcome="refused", detail={"reason": str(exc)})
         messages.error(request, str(exc))
         return render(request, "hub/message.html", {"title": "Delete refused"}, status=400)
     except StoreError as exc:
+        record_audit(action="model_delete", target=prefix, request=request, outcome="failed", detail={"reason": str(exc)})
         messages.error(request, f"The store failed: {exc}")
         return redirect("models")
+    record_audit(action="model_delete", target=prefix, request=request, detail={"deleted_objects": removed})
     messages.success(request, f"Deleted {prefix} ({removed} objects).")
     return redirect("models")
 
@@ -89,12 +93,15 @@ def upload_page(request: HttpRequest) -> HttpResponse:
     status = 200
     if request.method == "POST":
         form = {k: request.POST.get(k, "").strip() for k in form}
+        target = f"{form['format']}/{form['name']} from {form['local_path']}"
         try:
             upload = start_upload(**form, user=request.user.username)
         except (InvalidPrefix, services.HubInputError) as exc:
+            record_audit(action="upload", target=target, request=request, outcome="refused", detail={"reason": str(exc)})
             messages.error(request, str(exc))
             status = 400
         else:
+            record_audit(action="upload", target=target, request=request)
             messages.success(request, f"Uploading {upload.local_path} as {upload.prefix}.")
             return redirect("model-upload")
     return render(request, "hub/upload.html", {"form": form, "formats": FORMAT_ROOTS, "uploads": recent_uploads(),
@@ -117,9 +124,13 @@ def downloads_page(request: HttpRequest) -> HttpResponse:
                 job = services.create_download_job(repo_id=form["repo_id"], revision=form["revision"] or None,
                                                    format=form["format"], allow_patterns=patterns, user=request.user)
             except (InvalidPrefix, services.HubInputError) as exc:
+                record_audit(action="download", target=form["repo_id"], request=request, outcome="refused",
+                             detail={"reason": str(exc)})
                 messages.error(request, str(exc))
                 status = 400
             else:
+                record_audit(action="download", target=job.repo_id, request=request,
+                             detail={"job": job.pk, "revision": job.revision, "format": job.format})
                 publish_new_job(job)
                 messages.success(request, f"Download of {job.repo_id} queued.")
                 return redirect("downloads")

@@ -4,6 +4,7 @@ from __future__ import annotations
 from django.http import HttpRequest
 from ninja import Router, Status
 
+from accounts.audit import record_audit
 from accounts.auth import api_auth, operator_auth, require_role
 from accounts.errors import ApiError
 from serving.models import ModelInstance
@@ -29,13 +30,23 @@ def _refused(exc: LoadRefused) -> ApiError:
     return ApiError(exc.status, exc.message, code=exc.code)
 
 
-def _ref(body: InstanceRef) -> ModelInstance:
+def _ref(request: HttpRequest, body: InstanceRef, action: str) -> ModelInstance:
     if body.id is None and not body.model_name:
         raise ApiError(400, "Give the instance's id or its model_name.", code="invalid_request")
     try:
         return find_instance(id=body.id, model_name=body.model_name)
     except LoadRefused as exc:
+        _audit_refused(request, action, body.model_name or f"instance {body.id}", exc)
         raise _refused(exc) from None
+
+
+def _target(inst: ModelInstance) -> str:
+    return f"{inst.model_name} (instance {inst.pk})"
+
+
+def _audit_refused(request: HttpRequest, action: str, target: str, exc: LoadRefused) -> None:
+    record_audit(action=action, target=target, request=request, outcome="refused",
+                 detail={"code": exc.code, "message": exc.message[:300]})
 
 
 @management_router.post("/load", response={202: LoadOut}, auth=operator_auth, summary="Load a model on a node")
@@ -48,7 +59,10 @@ def load(request: HttpRequest, body: LoadIn):
             extra_args=body.extra_args, autostart=body.autostart, user=user,
         )
     except LoadRefused as exc:
+        _audit_refused(request, "load", body.model_name or body.model_path, exc)
         raise _refused(exc) from None
+    record_audit(action="load", target=_target(inst), request=request,
+                 detail={"model_path": inst.model_path, "node": inst.node.name, "backend": inst.backend})
     return Status(202, {"id": inst.pk, "model_name": inst.model_name, "state": inst.state, "backend": inst.backend,
                  "backend_reason": inst.backend_reason, "node": inst.node.name, "gpus": list(inst.gpus)})
 
@@ -56,17 +70,21 @@ def load(request: HttpRequest, body: LoadIn):
 @management_router.post("/unload", response={202: InstanceOut}, auth=operator_auth, summary="Unload an instance")
 def unload(request: HttpRequest, body: InstanceRef):
     require_role(request, "operator")
-    inst = request_unload(instance=_ref(body))
+    inst = request_unload(instance=_ref(request, body, "unload"))
+    record_audit(action="unload", target=_target(inst), request=request, detail={"node": inst.node.name})
     return Status(202, instance_out(inst))
 
 
 @management_router.post("/restart", response={202: InstanceOut}, auth=operator_auth, summary="Restart an instance")
 def restart(request: HttpRequest, body: InstanceRef):
     require_role(request, "operator")
+    target = _ref(request, body, "restart")
     try:
-        inst = request_restart(instance=_ref(body))
+        inst = request_restart(instance=target)
     except LoadRefused as exc:
+        _audit_refused(request, "restart", _target(target), exc)
         raise _refused(exc) from None
+    record_audit(action="restart", target=_target(inst), request=request, detail={"node": inst.node.name})
     return Status(202, instance_out(inst))
 
 

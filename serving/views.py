@@ -11,6 +11,7 @@ from django.http import FileResponse, Http404, HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
+from accounts.audit import record_audit
 from accounts.auth import role_required
 from accounts.models import Role
 from hardware.models import GpuDevice, Node
@@ -106,7 +107,11 @@ def load_page(request: HttpRequest) -> HttpResponse:
                 )
             except LoadRefused as exc:
                 error = exc.message
+                record_audit(action="load", target=d["model_name"] or d["model_path"], request=request,
+                             outcome="refused", detail={"code": exc.code, "message": exc.message[:300]})
             else:
+                record_audit(action="load", target=f"{inst.model_name} (instance {inst.pk})", request=request,
+                             detail={"model_path": inst.model_path, "node": inst.node.name, "backend": inst.backend})
                 messages.success(request, f"Loading {inst.model_name} on {inst.node.name}.")
                 return redirect("instance-detail", pk=inst.pk)
     else:
@@ -187,6 +192,11 @@ def _instance_action(request: HttpRequest, pk: int, action: str) -> HttpResponse
             raise Http404("unknown action")
     except LoadRefused as exc:
         text, kind = exc.message, "error"
+        record_audit(action=action, target=f"{inst.model_name} (instance {inst.pk})", request=request,
+                     outcome="refused", detail={"code": exc.code, "message": exc.message[:300]})
+    else:
+        record_audit(action=action, target=f"{inst.model_name} (instance {inst.pk})", request=request,
+                     detail={"node": inst.node.name})
     if request.htmx:
         return render(request, "serving/partials/_action_msg.html", {"text": text, "kind": kind})
     getattr(messages, kind)(request, text)
