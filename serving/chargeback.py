@@ -151,6 +151,8 @@ def chargeback(*, start: datetime, end: datetime, group_by: str = "key", per_hou
     idle_items = []
     for iid, gs in sorted(idle.items(), key=lambda kv: -kv[1]):
         info = instances.get(iid)
+        if info is None and gs <= 0:
+            continue  # an instance gone from the database, with nothing to report
         idle_items.append({"instance_id": iid, "model": info.model if info else "", "node": info.node if info else "",
                            "gpus": info.gpus if info else 1, "gpu_seconds": round(gs, 3), "share": share(gs)})
     out = {"from": start, "to": end, "group_by": group_by, "total_gpu_seconds": round(total, 3), "items": items,

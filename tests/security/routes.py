@@ -9,6 +9,14 @@ from accounts.auth import ApiKeyAuth, SessionAuthWithCsrf
 
 PUBLIC_PAGES = {"/healthz", "/readyz", "/accounts/login/"}
 MISSING_ID = "999999"
+# Routes added for 0.2 (issue 14) and the role each needs; the matrix fails if one goes missing.
+ADDED_PAGES = {("/usage/", None), ("/requests/", None), ("/audit/", "admin"), ("/keys/1/", "admin")}
+ADDED_API = {
+    ("POST", "/api/keys", "admin"), ("GET", "/api/keys", "admin"), ("GET", f"/api/keys/{MISSING_ID}", "admin"),
+    ("PATCH", f"/api/keys/{MISSING_ID}", "admin"), ("DELETE", f"/api/keys/{MISSING_ID}", "admin"),
+    ("GET", "/api/usage", "viewer"), ("GET", "/api/usage/chargeback", "viewer"), ("GET", "/api/requests", "viewer"),
+    ("GET", "/api/audit", "admin"),
+}
 SAMPLE = {"int": "1", "str": "n", "path": "gguf/x", "slug": "x", "uuid": "00000000-0000-0000-0000-000000000000"}
 
 

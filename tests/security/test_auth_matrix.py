@@ -6,7 +6,7 @@ import pytest
 from django.test import Client
 
 from accounts.models import ROLE_RANK, Role
-from tests.security.routes import PUBLIC_PAGES, api_operations, page_routes
+from tests.security.routes import ADDED_API, ADDED_PAGES, PUBLIC_PAGES, api_operations, page_routes
 
 
 @pytest.mark.django_db
@@ -26,6 +26,8 @@ def test_the_matrix_sees_every_route():
     assert {"/models/", "/instances/", "/gpus/", "/downloads/", "/keys/", "/users/"} <= set(pages)
     ops = api_operations()
     assert ("GET", "/api/hardware/nodes", "viewer") in ops
+    assert ADDED_API <= set(ops), ADDED_API - set(ops)
+    assert ADDED_PAGES <= set(page_routes()), ADDED_PAGES - set(page_routes())
 
 
 @pytest.mark.django_db
