@@ -193,8 +193,9 @@ class RateLimiter:
     async def close(self) -> None:
         return None
 
-    async def _seed(self, p: Principal, period: str, since: datetime, *, refresh: bool) -> int:
-        """The tokens a key had used in `period` by the last write (plus this process's unwritten)."""
+    async def _seed(self, p: Principal, period: str, since: datetime, *, refresh: bool) -> int | None:
+        """The tokens a key had used in `period` by the last write (plus this process's unwritten);
+        None when the database cannot say (the quota is not checked then: fail open, like Redis)."""
         from serving.usage import recorder, tokens_used
 
         cached = self._seeds.get((p.key_id, period))
@@ -203,7 +204,12 @@ class RateLimiter:
         if cached is not None:  # Redis: refresh in the background, serve the old value meanwhile
             asyncio.get_running_loop().create_task(self._reseed(p, period, since))
             return cached[0]
-        used = await run_db(tokens_used, p.key_id, since) + recorder.pending_tokens(p.key_id, since.timestamp())
+        try:
+            used = await run_db(tokens_used, p.key_id, since)
+        except Exception as exc:
+            log.warning("token quota of key %s not checked: its usage could not be read (%s)", p.key_id, exc)
+            return None
+        used += recorder.pending_tokens(p.key_id, since.timestamp())
         self._seeds[(p.key_id, period)] = (used, time.monotonic())
         return used
 
@@ -229,17 +235,22 @@ class LocalLimiter(RateLimiter):
         if state is None:
             state = self._state[p.key_id] = KeyState()
         day, day_left, month, month_left = _periods(now)
+        if not p.daily_tokens:
+            state.day = ""  # not counted meanwhile: a quota set later starts from the database
+        if not p.monthly_tokens:
+            state.month = ""
         if p.daily_tokens and state.day != day:
             seed = await self._seed(p, day, period_starts(now)[0], refresh=False)
-            if state.day != day:
+            if seed is not None and state.day != day:
                 state.day, state.day_used = day, seed
         if p.monthly_tokens and state.month != month:
             seed = await self._seed(p, month, period_starts(now)[1], refresh=False)
-            if state.month != month:
+            if seed is not None and state.month != month:
                 state.month, state.month_used = month, seed
-        raw = decide(state, now_ms=now * 1000, rpm=p.rpm or 0, tpm=p.tpm or 0, day_quota=p.daily_tokens or 0,
-                     month_quota=p.monthly_tokens or 0, day_left_ms=day_left, month_left_ms=month_left,
-                     cost=cost, charge=0)
+        raw = decide(state, now_ms=now * 1000, rpm=p.rpm or 0, tpm=p.tpm or 0,
+                     day_quota=(p.daily_tokens or 0) if state.day == day else 0,
+                     month_quota=(p.monthly_tokens or 0) if state.month == month else 0,
+                     day_left_ms=day_left, month_left_ms=month_left, cost=cost, charge=0)
         return _verdict(p, raw)
 
     def charge(self, p: Principal, tokens: int) -> None:
@@ -347,10 +358,12 @@ class RedisLimiter(RateLimiter):
     async def _args(self, p: Principal, now: float, cost: int, charge: int) -> tuple[list[str], list]:
         day, day_left, month, month_left = _periods(now)
         day_start, month_start = period_starts(now)
-        day_seed = await self._seed(p, day, day_start, refresh=True) if p.daily_tokens else 0
-        month_seed = await self._seed(p, month, month_start, refresh=True) if p.monthly_tokens else 0
-        args = [f"{now * 1000:.3f}", p.rpm or 0, p.tpm or 0, p.daily_tokens or 0, p.monthly_tokens or 0,
-                day_seed, month_seed, f"{day_left:.0f}", f"{month_left:.0f}", cost, charge]
+        day_seed = await self._seed(p, day, day_start, refresh=True) if p.daily_tokens else None
+        month_seed = await self._seed(p, month, month_start, refresh=True) if p.monthly_tokens else None
+        # A quota whose starting point is unknown is left out of this call (never seeded with 0).
+        args = [f"{now * 1000:.3f}", p.rpm or 0, p.tpm or 0, p.daily_tokens if day_seed is not None else 0,
+                p.monthly_tokens if month_seed is not None else 0, day_seed or 0, month_seed or 0,
+                f"{day_left:.0f}", f"{month_left:.0f}", cost, charge]
         return self._keys(p, day, month), args
 
     async def admit(self, p: Principal, *, cost: int = 1) -> Verdict:
