@@ -76,16 +76,23 @@ def _duration(ms: float) -> str:
     return f"{h}h{m}m{sec}s" if h else f"{m}m{sec}s"
 
 
+_period_cache: list = [0.0, 0.0, "", 0.0, ""]  # valid from, day end, day id, month end, month id (epoch s)
+
+
 def _periods(now_s: float) -> tuple[str, float, str, float]:
-    """(day id, ms left in the UTC day, month id, ms left in the UTC month)."""
-    now = datetime.fromtimestamp(now_s, tz=UTC)
-    day_start = now.replace(hour=0, minute=0, second=0, microsecond=0)
-    month_start = day_start.replace(day=1)
-    next_month = (month_start.replace(year=month_start.year + 1, month=1) if month_start.month == 12
-                  else month_start.replace(month=month_start.month + 1))
-    day_left = 86_400_000 - (now - day_start).total_seconds() * 1000
-    month_left = (next_month - now).total_seconds() * 1000
-    return day_start.strftime("%Y%m%d"), day_left, month_start.strftime("%Y%m"), month_left
+    """(day id, ms left in the UTC day, month id, ms left in the UTC month); on every request, so
+    the day's boundaries are worked out once a day."""
+    since, day_end, day_id, month_end, month_id = _period_cache
+    if not since <= now_s < day_end:
+        now = datetime.fromtimestamp(now_s, tz=UTC)
+        day_start = now.replace(hour=0, minute=0, second=0, microsecond=0)
+        month_start = day_start.replace(day=1)
+        next_month = (month_start.replace(year=month_start.year + 1, month=1) if month_start.month == 12
+                      else month_start.replace(month=month_start.month + 1))
+        since, day_end, month_end = day_start.timestamp(), day_start.timestamp() + 86_400, next_month.timestamp()
+        day_id, month_id = day_start.strftime("%Y%m%d"), month_start.strftime("%Y%m")
+        _period_cache[:] = [since, day_end, day_id, month_end, month_id]
+    return day_id, (day_end - now_s) * 1000, month_id, (month_end - now_s) * 1000
 
 
 def period_starts(now_s: float) -> tuple[datetime, datetime]:

@@ -177,7 +177,11 @@ class UpstreamReply:
                 yield chunk
             clean = True
             if pending:
-                yield b"".join(pending)  # a last event without its blank line: the backend's own framing
+                last = b"".join(pending)  # a last event without its blank line: the backend's own framing
+                if strip and b'"usage"' in last:
+                    last = strip_usage_events(last)
+                if last:
+                    yield last
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             if sse and not pending and tail.rstrip().endswith(b"data: [DONE]"):
                 clean = True  # cut after its last event: the answer is whole, the lost framing is not news
