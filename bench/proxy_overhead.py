@@ -154,7 +154,12 @@ class ConsoleProcess:
         for cmd in (["migrate", "-v0"], ["ensureadmin"],
                     ["createuser", "--username", "bench", "--role", "viewer", "--password", "bench-pass-123"]):
             self.manage(*cmd)
-        self.key = self.manage("createapikey", "--username", "bench").split()[-1]
+        # A key with (generous) limits where this version has them: the limiter, the usage buckets and
+        # the request log all run on every request, as they do for a limited key in production.
+        limited = "--rpm" in self.manage("createapikey", "--help")
+        self.key_kind = "a limited key (rpm, tpm)" if limited else "an unlimited key (no key limits in this version)"
+        self.key = self.manage("createapikey", "--username", "bench",
+                               *(["--rpm", "10000000", "--tpm", "1000000000"] if limited else [])).split()[-1]
         rows = json.dumps([{"name": n, "port": p} for n, p in backends.items()])
         self.manage("shell", "-c", f"""
 import json
@@ -422,6 +427,7 @@ def main() -> None:
                 for server in args.servers.split(","):
                     console = ConsoleProcess(server, work, {"fast": fast_port, "tiny": llama_port})
                     consoles.append(console)
+                    print(f"{server:8} console calls with {console.key_kind}", flush=True)
                     targets[f"console-{server}"] = (f"{console.url}/v1/chat/completions",
                                                     {**plain, "Authorization": f"Bearer {console.key}"})
                     for line in asyncio.run(measure(server, console, fast_port, llama_port, minimal_port, args.scale)):
