@@ -37,6 +37,7 @@ log = logging.getLogger("xgen.proxy")
 
 WINDOW_MS = 60_000
 CHARGE_FLUSH_S = 0.5
+REDIS_RETRY_S = 1.0  # after Redis failed, requests pass without asking it for this long
 SEED_REFRESH_S = 60.0  # Redis only: how old a quota's starting point may get before it is re-read
 
 
@@ -357,6 +358,7 @@ class RedisLimiter(RateLimiter):
         self._pending: dict[int, tuple[Principal, int]] = {}
         self._flusher: asyncio.Task | None = None
         self._warned_at = 0.0
+        self._down_until = 0.0
 
     def _keys(self, p: Principal, day: str, month: str) -> list[str]:
         base = f"{self._prefix}:{p.key_id}"
@@ -375,6 +377,8 @@ class RedisLimiter(RateLimiter):
 
     async def admit(self, p: Principal, *, cost: int = 1) -> Verdict:
         self._ensure_flusher()
+        if time.monotonic() < self._down_until:
+            return Verdict()  # Redis failed just now: no request waits for its timeout again
         pending = self._pending.pop(p.key_id, None)
         charge = pending[1] if pending else 0
         try:
@@ -409,7 +413,7 @@ class RedisLimiter(RateLimiter):
 
     async def flush(self) -> None:
         """Send the charges no admission has carried yet (one pipelined round trip)."""
-        if not self._pending:
+        if not self._pending or time.monotonic() < self._down_until:
             return
         pending, self._pending = self._pending, {}
         try:
@@ -424,6 +428,7 @@ class RedisLimiter(RateLimiter):
             self._warn(exc)
 
     def _warn(self, exc: Exception) -> None:
+        self._down_until = time.monotonic() + REDIS_RETRY_S
         if time.monotonic() - self._warned_at > 10:
             self._warned_at = time.monotonic()
             log.warning("rate limiter: Redis failed (%s: %s); requests pass unlimited until it is back",

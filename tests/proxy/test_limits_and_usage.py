@@ -219,7 +219,7 @@ def test_usage_by_key_equals_what_the_clients_received_and_outlives_a_restart(tm
         kid, key = new_key(pc)
         received = {"prompt_tokens": 0, "completion_tokens": 0}
         ids = []
-        for i in range(3):
+        for _ in range(3):
             r = chat(pc, key, max_tokens=5)
             assert r.status_code == 200
             ids.append(r.headers["x-request-id"])

@@ -139,3 +139,17 @@ def test_decide_is_one_rule_for_requests_tokens_and_quotas_together():
     allowed, code, retry, r_rem, _, t_rem, _ = decide(state, now_ms=20, cost=1, charge=0, **args)
     # Over the quota: that answer wins (waiting a minute would not help); the request was not counted.
     assert (allowed, code, retry, r_rem) == (0, "insufficient_quota", 5000, 59) and t_rem == 950
+
+
+async def test_a_redis_that_cannot_be_reached_lets_requests_through_and_keeps_the_charges():
+    limiter = RedisLimiter("redis://127.0.0.1:1/0", clock=Clock())
+    try:
+        p = key(rpm=1)
+        assert (await limiter.admit(p)).allowed and (await limiter.admit(p)).allowed
+        limiter.charge(key(tpm=10), 5)
+        limiter._down_until = 0.0
+        await limiter.flush()
+        assert limiter._pending[7][1] == 5  # kept for when Redis is back
+        assert limiter._down_until > 0  # and for a second no request asks Redis again
+    finally:
+        await limiter.close()
