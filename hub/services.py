@@ -12,7 +12,8 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from hub.models import DOWNLOAD_ACTIVE, CacheEntry, DownloadJob, DownloadStatus, ModelArtifact, ModelFormat
+from hub.layout import layout_problem
+from hub.models import DOWNLOAD_ACTIVE, CacheEntry, DownloadJob, DownloadStatus, ModelArtifact
 from hub.paths import FORMAT_ROOTS, InvalidPrefix, name_from_repo_id, prefix_for, validate_prefix
 from hub.store import LocalFile, ModelStore, NotARegularFile, StoredModel, get_store, local_files
 
@@ -199,13 +200,9 @@ def validate_upload(*, local_path: str, format: str, name: str,
         raise HubInputError(f"Unknown format {format!r}: use gguf or huggingface.")
     prefix = prefix_for(format, name)  # InvalidPrefix for a traversal attempt in name
     source = check_import_path(local_path, limit_to_import_dirs=limit_to_import_dirs)
-    names = [f.rel.rsplit("/", 1)[-1] for f in source.files]
-    if format == ModelFormat.GGUF and not source.is_dir and source.path.suffix != ".gguf":
-        raise HubInputError(f"{local_path} is not a .gguf file.")
-    if format == ModelFormat.GGUF and source.is_dir and not any(n.endswith(".gguf") for n in names):
-        raise HubInputError(f"{local_path} holds no .gguf file.")
-    if format == ModelFormat.HUGGINGFACE and not (source.is_dir and "config.json" in names):
-        raise HubInputError(f"{local_path} is not a Hugging Face model folder (no config.json).")
+    problem = layout_problem(format, [f.rel for f in source.files], is_dir=source.is_dir, name=local_path)
+    if problem:
+        raise HubInputError(problem)
     return prefix, source
 
 

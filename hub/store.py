@@ -25,9 +25,9 @@ from typing import BinaryIO
 from django.conf import settings
 from django.utils import timezone
 
+from hub.layout import MANIFEST_NAME, TEMP_SUFFIXES, model_files
 from hub.paths import (
     FORMAT_ROOTS,
-    MANIFEST_NAME,
     InvalidPrefix,
     safe_join,
     validate_prefix,
@@ -39,9 +39,8 @@ log = logging.getLogger("xgen.hub.store")
 CHUNK = 1024 * 1024
 READ_CAP = 8 * 1024 * 1024
 MANIFEST_VERSION = 1
-# Paths a local model folder may hold that are never part of the model.
-SKIPPED_DIRS = {".cache", ".git", ".locks"}
-PART_SUFFIX = ".xgen-part"
+PART_SUFFIX = ".xgen-part"  # the filesystem store's file in the making (hub.layout never counts it)
+assert PART_SUFFIX in TEMP_SUFFIXES
 
 ByteProgress = Callable[[int], None]  # called with the number of new bytes
 
@@ -176,16 +175,11 @@ def local_files(root: Path) -> list[LocalFile]:
         except FileNotFoundError:
             return []
     out: list[LocalFile] = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in SKIPPED_DIRS)
-        for name in sorted(filenames):
-            if name == MANIFEST_NAME or name.endswith((PART_SUFFIX, ".part", ".lock", ".incomplete")):
-                continue
-            path = Path(dirpath) / name
-            try:
-                out.append(_local_file(path.relative_to(root).as_posix(), path))
-            except FileNotFoundError:  # a dangling symlink, or gone since the listing
-                continue
+    for rel, path in model_files(root):  # which files are the model: hub.layout
+        try:
+            out.append(_local_file(rel, path))
+        except FileNotFoundError:  # a dangling symlink, or gone since the listing
+            continue
     return out
 
 
