@@ -18,7 +18,7 @@ from hub.schemas import (
     RefreshOut,
     UploadIn,
 )
-from hub.store import StoreError
+from hub.store import ModelExists, StoreError
 from hub.views import cached_on_map
 from xgenconsole.auth import admin_auth, operator_auth, require_role
 from xgenconsole.errors import ApiError
@@ -103,6 +103,8 @@ def upload(request: HttpRequest, body: UploadIn):
         return services.upload_local_model(local_path=body.local_path, format=body.format, name=body.name)
     except (InvalidPrefix, services.HubInputError) as exc:
         raise _bad_input(exc) from None
+    except ModelExists as exc:
+        raise ApiError(409, str(exc), code="model_exists") from None
     except StoreError as exc:
         raise _store_failed(exc) from None
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +16,7 @@ from django.utils import timezone
 from hub.layout import layout_problem
 from hub.models import DOWNLOAD_ACTIVE, CacheEntry, DownloadJob, DownloadStatus, ModelArtifact
 from hub.paths import FORMAT_ROOTS, InvalidPrefix, name_from_repo_id, prefix_for, validate_prefix
-from hub.store import LocalFile, ModelStore, NotARegularFile, StoredModel, get_store, local_files
+from hub.store import LocalFile, ModelExists, ModelStore, NotARegularFile, StoredModel, get_store, local_files
 
 log = logging.getLogger("xgen.hub")
 
@@ -192,7 +193,49 @@ def check_import_path(local_path: str, *, limit_to_import_dirs: bool = True) -> 
     return ImportSource(path=path, real=real, is_dir=is_dir, files=files)
 
 
-# --------------------------------------------------------------------------- uploads and deletes
+# --------------------------------------------------------------------------- writing a model
+def after_failed_write(prefix: str, *, store: ModelStore) -> None:
+    """After a write that failed or was cancelled nothing may look loadable: what it left of a model
+    with no manifest is removed, and the index row follows the store. When the store cannot be
+    read (the usual reason for the failure) the row is marked incomplete."""
+    try:
+        if not store.exists(prefix):
+            store.delete_model(prefix)
+        index_prefix(prefix, store=store)
+    except Exception as exc:
+        log.warning("after the failed write of %s the store could not be re-read: %s", prefix, exc)
+        ModelArtifact.objects.filter(prefix=prefix).update(complete=False, indexed_at=timezone.now())
+
+
+def write_model(prefix: str, local: Path, *, store: ModelStore, files: list[LocalFile] | None = None,
+                source: dict | None = None, progress: Callable[[int, int], None] | None = None,
+                cancel: threading.Event | None = None, replace: bool = False, source_repo: str = "",
+                source_revision: str = "") -> ModelArtifact:
+    """Write a local model into the store as `prefix` and index it: the one way the console writes
+    a model (uploads, `manage.py hub_upload`, downloads).
+
+    A complete model is overwritten only with `replace` (else ModelExists, nothing touched); its
+    index row says incomplete from before the old manifest goes until the new one is written.
+    Any failure re-indexes the prefix (`after_failed_write`), so the listing never calls a broken
+    model complete.
+    """
+    existing = store.exists(prefix)
+    if existing and not replace:
+        raise ModelExists(f"{prefix} is already a complete model in the store: upload it under another "
+                          "name, or ask to replace it.")
+    if existing:
+        ModelArtifact.objects.filter(prefix=prefix).update(complete=False, indexed_at=timezone.now())
+    try:
+        store.upload_model(prefix, local, files=files, source=source, progress=progress, cancel=cancel,
+                           replace=replace)
+    except ModelExists:
+        raise  # refused before anything was written
+    except BaseException:
+        after_failed_write(prefix, store=store)
+        raise
+    return index_prefix(prefix, store=store, source_repo=source_repo, source_revision=source_revision)
+
+
 def validate_upload(*, local_path: str, format: str, name: str,
                     limit_to_import_dirs: bool = True) -> tuple[str, ImportSource]:
     """Check an upload request before any transfer; returns (prefix, the checked local source)."""
@@ -213,7 +256,9 @@ def upload_local_model(
     name: str,
     store: ModelStore | None = None,
     progress: Callable[[int, int], None] | None = None,
+    cancel: threading.Event | None = None,
     limit_to_import_dirs: bool = True,
+    replace: bool = False,
 ) -> ModelArtifact:
     """Upload a local file or folder (on this host) into the store as `<format>/<name>` and index it.
 
@@ -221,10 +266,9 @@ def upload_local_model(
     """
     prefix, source = validate_upload(local_path=local_path, format=format, name=name,
                                      limit_to_import_dirs=limit_to_import_dirs)
-    store = store or get_store()
-    store.upload_model(prefix, source.real if source.is_dir else source.path, files=source.files,
-                       source={"local_path": str(source.path)}, progress=progress)
-    return index_prefix(prefix, store=store)
+    return write_model(prefix, source.real if source.is_dir else source.path, store=store or get_store(),
+                       files=source.files, source={"local_path": str(source.path)}, progress=progress,
+                       cancel=cancel, replace=replace)
 
 
 def delete_model(*, prefix: str, store: ModelStore | None = None) -> int:

@@ -16,7 +16,7 @@ from django.core.management.base import BaseCommand, CommandError
 
 from hub import services
 from hub.paths import FORMAT_ROOTS, InvalidPrefix
-from hub.store import StoreError, get_store
+from hub.store import ModelExists, StoreError, get_store
 
 
 class Command(BaseCommand):
@@ -45,7 +45,7 @@ class Command(BaseCommand):
             artifact = services.upload_local_model(local_path=str(Path(opts["path"]).resolve()), format=opts["format"],
                                                    name=opts["name"], store=store, progress=progress,
                                                    limit_to_import_dirs=False)
-        except (InvalidPrefix, services.HubInputError) as exc:
+        except (InvalidPrefix, services.HubInputError, ModelExists) as exc:
             raise CommandError(str(exc)) from None
         except StoreError as exc:
             raise CommandError(f"the store failed: {exc}") from None
