@@ -8,19 +8,19 @@ from ninja import Query, Router, Schema, Status
 from accounts.auth import admin_auth, operator_auth, require_role
 from accounts.errors import ApiError
 from hub import services
-from hub.events import publish_new_job
-from hub.models import DownloadJob, ModelArtifact
+from hub.events import publish_new_job, publish_new_upload
+from hub.models import DownloadJob, ModelArtifact, UploadJob
 from hub.paths import FORMAT_ROOTS, InvalidPrefix, validate_relative_path
 from hub.schemas import (
-    ArtifactOut,
     DeletedOut,
     DownloadIn,
     DownloadJobOut,
     ModelPageOut,
     RefreshOut,
     UploadIn,
+    UploadJobOut,
 )
-from hub.store import StoreError
+from hub.store import ModelExists, StoreError
 from hub.views import cached_on_map
 
 storage_router = Router()
@@ -35,6 +35,10 @@ def _bad_input(exc: Exception) -> ApiError:
 
 def _store_failed(exc: StoreError) -> ApiError:
     return ApiError(502, f"The model store failed: {exc}", code="store_unavailable")
+
+
+def _conflict(exc: Exception) -> ApiError:
+    return ApiError(409, str(exc), code="model_exists" if isinstance(exc, ModelExists) else "model_busy")
 
 
 class ModelQuery(Schema):
@@ -90,21 +94,58 @@ def delete_model(request: HttpRequest, prefix: str):
         removed = services.delete_model(prefix=prefix)
     except InvalidPrefix as exc:
         raise _bad_input(exc) from None
+    except services.PrefixBusy as exc:
+        raise _conflict(exc) from None
     except StoreError as exc:
         raise _store_failed(exc) from None
     return {"prefix": prefix.rstrip("/"), "deleted_objects": removed}
 
 
-@storage_router.post("/upload", response=ArtifactOut, auth=operator_auth,
-                     summary="Upload a file or folder on the server (operator+)")
+def _upload_out(job: UploadJob) -> dict:
+    return {
+        "id": job.pk, "status": job.status, "bytes_done": job.bytes_done, "bytes_total": job.bytes_total,
+        "error": job.error or None, "prefix": job.target_prefix, "format": job.format, "local_path": job.local_path,
+        "node": job.node, "replace": job.replace, "created_by": job.created_by.username if job.created_by else None,
+        "created_at": job.created_at, "started_at": job.started_at, "finished_at": job.finished_at,
+    }
+
+
+@storage_router.post("/upload", response={202: UploadJobOut}, auth=operator_auth,
+                     summary="Queue an upload of a file or folder on a node (operator+)")
 def upload(request: HttpRequest, body: UploadIn):
-    require_role(request, "operator")
+    """Checks the path now (400 before any job exists), then the node's agent copies it into the store:
+    poll `GET /api/storage/uploads/{id}`. 409 `model_exists` for a name the store already holds as a
+    complete model (unless `replace`), 409 `model_busy` while another upload or download writes it."""
+    user = require_role(request, "operator")
     try:
-        return services.upload_local_model(local_path=body.local_path, format=body.format, name=body.name)
+        job = services.create_upload_job(local_path=body.local_path, format=body.format, name=body.name,
+                                         node=body.node, replace=body.replace, user=user)
     except (InvalidPrefix, services.HubInputError) as exc:
         raise _bad_input(exc) from None
+    except (ModelExists, services.PrefixBusy) as exc:
+        raise _conflict(exc) from None
     except StoreError as exc:
         raise _store_failed(exc) from None
+    publish_new_upload(job)
+    return Status(202, _upload_out(job))
+
+
+@storage_router.get("/uploads", response=list[UploadJobOut], summary="Recent upload jobs")
+def list_uploads(request: HttpRequest):
+    return [_upload_out(j) for j in UploadJob.objects.select_related("created_by")[:100]]
+
+
+@storage_router.get("/uploads/{job_id}", response=UploadJobOut, summary="One upload job")
+def get_upload(request: HttpRequest, job_id: int):
+    return _upload_out(get_object_or_404(UploadJob.objects.select_related("created_by"), pk=job_id))
+
+
+@storage_router.post("/uploads/{job_id}/cancel", response=UploadJobOut, auth=operator_auth,
+                     summary="Cancel an upload (operator+)")
+def cancel_upload(request: HttpRequest, job_id: int):
+    require_role(request, "operator")
+    job = get_object_or_404(UploadJob, pk=job_id)
+    return _upload_out(services.request_upload_cancel(job=job))
 
 
 def _job_out(job: DownloadJob) -> dict:
@@ -125,6 +166,8 @@ def start_download(request: HttpRequest, body: DownloadIn):
                                            allow_patterns=body.allow_patterns, user=user)
     except (InvalidPrefix, services.HubInputError) as exc:
         raise _bad_input(exc) from None
+    except services.PrefixBusy as exc:
+        raise _conflict(exc) from None
     publish_new_job(job)
     return Status(202, _job_out(job))
 

@@ -14,7 +14,6 @@ import hashlib
 import json
 import logging
 import os
-import re
 import shutil
 import threading
 import time
@@ -27,13 +26,15 @@ from pathlib import Path
 from django.conf import settings
 from django.utils import timezone
 
-from hub.paths import MANIFEST_NAME, InvalidPrefix, safe_join, validate_prefix
+from hub import layout
+from hub.layout import CACHE_MANIFEST_NAME, MANIFEST_NAME
+from hub.paths import InvalidPrefix, safe_join, validate_prefix
 from hub.store import Manifest, ManifestFile, ModelStore, StoreError, get_store
 from live.db import run_db_sync
 
 log = logging.getLogger("xgen.hub.cache")
 
-LOCAL_MANIFEST = ".xgen-cache.json"
+LOCAL_MANIFEST = CACHE_MANIFEST_NAME
 PART = ".part"
 Progress = Callable[[int, int], None]
 
@@ -391,31 +392,21 @@ def _safe_record(node_name: str, prefix: str, **fields) -> None:
 
 
 def resolve_model_path(local_dir: Path, fmt: str, filename: str | None = None) -> Path:
-    """The path a backend loads: the .gguf file (the one asked for, or the largest) for GGUF;
-    the folder holding config.json for a Hugging Face snapshot."""
+    """The path a backend loads from a cached model (the rules are `hub.layout.model_to_serve`):
+    the .gguf file (the one asked for, or the first shard / largest) for GGUF; the folder holding
+    config.json for a Hugging Face snapshot."""
     local_dir = Path(local_dir)
-    if fmt == "gguf":
-        if filename:
-            target = safe_join(local_dir, filename)
-            if not target.is_file():
-                raise CacheError(f"{filename} is not in {local_dir}")
-            return target
-        if local_dir.is_file() and local_dir.suffix == ".gguf":
-            return local_dir
-        ggufs = [p for p in local_dir.rglob("*.gguf") if p.is_file()]
-        if not ggufs:
-            raise CacheError(f"no .gguf file in {local_dir}")
-        # A split model (`x-00001-of-00003.gguf`) loads from its first shard.
-        first_shards = [p for p in ggufs if re.search(r"-0*1-of-\d+\.gguf$", p.name)]
-        return max(first_shards or ggufs, key=lambda p: (p.stat().st_size, -len(p.as_posix())))
-    if fmt == "huggingface":
-        if (local_dir / "config.json").is_file():
-            return local_dir
-        configs = sorted((p for p in local_dir.rglob("config.json") if p.is_file()), key=lambda p: len(p.parts))
-        if not configs:
-            raise CacheError(f"no config.json in {local_dir}")
-        return configs[0].parent
-    raise InvalidPrefix(f"unknown format {fmt!r}")
+    if fmt not in layout.FORMATS:
+        raise InvalidPrefix(f"unknown format {fmt!r}")
+    if fmt == layout.GGUF and filename:
+        target = safe_join(local_dir, filename)
+        if not target.is_file():
+            raise CacheError(f"{filename} is not in {local_dir}")
+        return target
+    found = layout.model_to_serve(local_dir, fmt)
+    if found is None:
+        raise CacheError(f"no .gguf file in {local_dir}" if fmt == layout.GGUF else f"no config.json in {local_dir}")
+    return found
 
 
 __all__ = [

@@ -19,19 +19,29 @@ class ModelPageOut(Schema):
 
 
 class UploadIn(Schema):
-    local_path: str = Field(..., max_length=4096)
+    local_path: str = Field(..., max_length=4096, description="absolute path on the node, under XGEN_IMPORT_DIRS")
     format: str = Field(..., max_length=32)
     name: str = Field(..., max_length=255)
+    node: str | None = Field(None, max_length=100,
+                             description="the node the path is on (its agent does the copy); default: this server's")
+    replace: bool = Field(False, description="overwrite a complete model of that name (else 409 model_exists)")
 
 
-class ArtifactOut(Schema):
+class UploadJobOut(Schema):
+    id: int
+    status: str
+    bytes_done: int
+    bytes_total: int
+    error: str | None
     prefix: str
     format: str
-    name: str
-    size_bytes: int
-    file_count: int
-    complete: bool
-    files: list[dict]
+    local_path: str
+    node: str
+    replace: bool
+    created_by: str | None
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
 
 
 class DownloadIn(Schema):

@@ -10,7 +10,7 @@ from hub import services
 from hub.models import CacheEntry, DownloadJob, ModelArtifact
 from hub.store import FilesystemModelStore
 from tests.conftest import bearer
-from tests.hub.conftest import make_model_dir
+from tests.hub.conftest import make_model_dir, run_uploads
 
 pytestmark = pytest.mark.django_db
 
@@ -56,9 +56,17 @@ def test_upload_api_uploads_and_refuses_bad_input(hub_dirs, operator, viewer, ti
     body = {"local_path": str(tiny_gguf), "format": "gguf", "name": "tiny-up"}
     assert _post(c, "/api/storage/upload", body, viewer.key).status_code == 403
     resp = _post(c, "/api/storage/upload", body, operator.key)
-    assert resp.status_code == 200, resp.content
-    assert resp.json()["prefix"] == "gguf/tiny-up" and resp.json()["complete"]
+    assert resp.status_code == 202, resp.content
+    job = resp.json()
+    size = tiny_gguf.stat().st_size
+    assert {k: job[k] for k in ("status", "bytes_done", "bytes_total", "error", "prefix")} == {
+        "status": "PENDING", "bytes_done": 0, "bytes_total": size, "error": None, "prefix": "gguf/tiny-up"}
+    [done] = run_uploads()  # what the node agent does
+    assert done.pk == job["id"] and done.status == "COMPLETED"
+    got = c.get(f"/api/storage/uploads/{job['id']}", **bearer(viewer.key)).json()
+    assert (got["status"], got["bytes_done"], got["bytes_total"], got["error"]) == ("COMPLETED", size, size, None)
     assert FilesystemModelStore(hub_dirs / "store").exists("gguf/tiny-up")
+    assert ModelArtifact.objects.get(prefix="gguf/tiny-up").complete
     for name in TRAVERSAL_NAMES:
         _assert_openai_400(_post(c, "/api/storage/upload", {**body, "name": name}, operator.key))
     _assert_openai_400(_post(c, "/api/storage/upload", {**body, "local_path": "/no/such/file.gguf"}, operator.key))
@@ -145,27 +153,18 @@ def test_page_forms_refuse_traversal(hub_dirs, admin, tiny_gguf):
     assert not DownloadJob.objects.exists()
 
 
-def _wait_for_upload():
-    import time
-
-    from hub.uploads import recent_uploads
-
-    deadline = time.monotonic() + 30
-    while recent_uploads()[0].status == "UPLOADING" and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return recent_uploads()[0]
-
-
-@pytest.mark.django_db(transaction=True)
 def test_page_forms_work(hub_dirs, admin, tiny_gguf):
     c = _login(admin)
     resp = c.post("/models/upload/", {"local_path": str(tiny_gguf), "format": "gguf", "name": "paged"})
     assert resp.status_code == 302
-    upload = _wait_for_upload()
-    assert (upload.status, upload.prefix, upload.percent) == ("COMPLETED", "gguf/paged", 100)
+    pending = c.get("/models/upload/").content.decode()
+    assert 'data-status="PENDING"' in pending and "waiting for the node agent" in pending
+    [upload] = run_uploads()
+    assert (upload.status, upload.target_prefix, upload.percent) == ("COMPLETED", "gguf/paged", 100)
     assert upload.bytes_done == upload.bytes_total == tiny_gguf.stat().st_size
+    assert upload.created_by == admin.user
     page = c.get("/models/upload/").content.decode()
-    assert f'id="upload-{upload.id}"' in page and 'data-status="COMPLETED"' in page
+    assert f'id="upload-{upload.pk}"' in page and 'data-status="COMPLETED"' in page
     assert "gguf/paged" in c.get("/models/").content.decode()
     resp = c.post("/downloads/", {"repo_id": "acme/m", "format": "huggingface", "allow_patterns": "*.json, *.bin"})
     assert resp.status_code == 302

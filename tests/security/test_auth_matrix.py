@@ -26,6 +26,10 @@ def test_the_matrix_sees_every_route():
     assert {"/models/", "/instances/", "/gpus/", "/downloads/", "/keys/", "/users/"} <= set(pages)
     ops = api_operations()
     assert ("GET", "/api/hardware/nodes", "viewer") in ops
+    # Uploads are jobs: viewers may watch them, operators start and cancel them.
+    assert {("POST", "/api/storage/upload", "operator"), ("GET", "/api/storage/uploads", "viewer"),
+            ("GET", "/api/storage/uploads/1", "viewer"), ("POST", "/api/storage/uploads/1/cancel", "operator")} <= set(ops)
+    assert "/models/uploads/1/cancel/" in pages
 
 
 @pytest.mark.django_db

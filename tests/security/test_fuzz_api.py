@@ -37,6 +37,11 @@ def test_the_served_schema_is_the_one_fuzzed(console, admin_key):
     assert sorted(served.json()["paths"]) == sorted(api.get_openapi_schema()["paths"])
 
 
+def test_the_upload_job_operations_are_fuzzed():
+    assert {"POST /api/storage/upload", "GET /api/storage/uploads", "GET /api/storage/uploads/{job_id}",
+            "POST /api/storage/uploads/{job_id}/cancel"} <= set(OPERATIONS)
+
+
 @pytest.mark.parametrize("label", sorted(OPERATIONS))
 def test_operation_never_answers_5xx_or_a_non_openai_error(label, console, admin_key):
     operation = OPERATIONS[label]
