@@ -5,9 +5,9 @@ the processes match (a nudge runs it at once, and it runs every RECONCILE_INTERV
 
 One instance, one `BackendRun`: its lifecycle task walks PENDING -> CACHING -> LOADING ->
 WARMING -> READY, then watches the process; a crash of a READY backend goes to ERROR and is
-restarted with exponential backoff. The backend writes stdout+stderr straight into its log
-file (so it survives the agent), and a tailer follows that file into the page, the log tail
-in the database, and the ready hint.
+restarted with exponential backoff. Process work (spawning into its own session with its log
+file, killing the group) is serving.node.processes; following the log file into the page, the
+log tail in the database and the ready hint is serving.node.logs.LogTailer.
 """
 from __future__ import annotations
 
@@ -16,8 +16,7 @@ import contextlib
 import logging
 import os
 import time
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -30,15 +29,15 @@ from django.utils import timezone
 from serving import events
 from serving.adapters import BackendAdapter, LaunchSpec, get_adapter
 from serving.models import ACTIVE_STATES, DesiredState, InstanceState, ModelInstance
-from serving.node.logs import current_log, previous_log
+from serving.node.logs import TAIL_POLL_S, LogTailer, current_log, previous_log
 from serving.node.processes import (
+    BackendProcess,
     bind_host,
     describe_exit,
-    kill_group,
     listener_is_ours,
     pid_alive,
     proc_cmdline,
-    stop_group,
+    spawn_backend,
     url_host,
 )
 from serving.node.worker import AgentWorker
@@ -51,9 +50,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("xgen.supervisor")
 
-TAIL_LINES = 50
-TAIL_FLUSH_S = 0.5
-TAIL_POLL_S = 0.1
 HEALTH_POLL_S = 0.25
 HEALTH_POLL_FAST_S = 0.05  # for the first seconds: small models are up in well under one
 FAST_POLL_FOR_S = 10
@@ -96,33 +92,23 @@ class BackendRun:
     model_name: str = ""
     server_type: str = "llm"
     port: int | None = None
-    proc: asyncio.subprocess.Process | None = None
-    pid: int | None = None
-    pgid: int | None = None
+    process: BackendProcess | None = None
     adopted: bool = False
     stopping: bool = False
     spec: LaunchSpec | None = None
-    tail: deque = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
-    ready_hint: asyncio.Event = field(default_factory=asyncio.Event)
+    tailer: LogTailer | None = None
     lifecycle: asyncio.Task | None = None
-    tailer: asyncio.Task | None = None
     stopper: asyncio.Task | None = None
 
     def last_lines(self, n: int = 12) -> str:
-        return "\n".join(list(self.tail)[-n:])
+        return self.tailer.last_lines(n) if self.tailer else ""
 
-    async def wait_exit(self) -> int | None:
-        """Until the process ends: its exit code (None for an adopted process we cannot waitpid)."""
-        if self.proc is not None:
-            return await self.proc.wait()
-        while self.pid and pid_alive(self.pid):
-            await asyncio.sleep(0.5)
-        return None
+    @property
+    def tail(self) -> list[str]:
+        return list(self.tailer.tail) if self.tailer else []
 
     def exited(self) -> bool:
-        if self.proc is not None:
-            return self.proc.returncode is not None
-        return not (self.pid and pid_alive(self.pid))
+        return self.process is None or self.process.exited()
 
 
 class Supervisor(AgentWorker):
@@ -331,7 +317,6 @@ class Supervisor(AgentWorker):
         if inst is None:
             return STOPPED
         run.adapter = get_adapter(inst.backend)
-        run.ready_hint.clear()
         try:
             model_file = await self._resolve_model(run, inst)
             inst = await db_get(run.instance_id)
@@ -346,25 +331,15 @@ class Supervisor(AgentWorker):
             return LOAD_FAILED
         run.spec, run.port = spec, spec.port
         log_path = current_log(run.instance_id)
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        if log_path.exists() and log_path.stat().st_size:
-            log_path.replace(previous_log(run.instance_id))  # keep the last run's log (crash, restart)
-        run.tail.clear()
-        with open(log_path, "ab") as fh:
-            fh.write(f"$ {' '.join(cmd)}\n".encode())
-            fh.flush()
-            run.proc = await asyncio.create_subprocess_exec(
-                *cmd, stdin=asyncio.subprocess.DEVNULL, stdout=fh, stderr=asyncio.subprocess.STDOUT,
-                env=env, cwd=str(log_path.parent), start_new_session=True,
-            )
-        run.pid = run.pgid = run.proc.pid  # own session: pgid == pid
+        run.process = await spawn_backend(cmd, env=env, log_path=log_path,
+                                          previous_log=previous_log(run.instance_id))
         run.adopted = False
         await db_transition(
             run.instance_id, InstanceState.LOADING, f"starting {inst.backend} on port {spec.port}",
-            port=spec.port, pid=run.pid, pgid=run.pgid, started_at=timezone.now(), exit_code=None,
+            port=spec.port, pid=run.process.pid, pgid=run.process.pgid, started_at=timezone.now(), exit_code=None,
             progress_pct=None, log_tail=[], ready_at=None,
         )
-        run.tailer = asyncio.create_task(self._tail(run, log_path, from_start=True))
+        self._start_tailer(run, log_path, from_start=True)
         timeout = run.adapter.load_timeout_s()
         verdict = await self._wait_healthy(run, timeout)
         if verdict != "ok":
@@ -378,13 +353,12 @@ class Supervisor(AgentWorker):
 
     async def _failed_load(self, run: BackendRun, verdict: str) -> str:
         if run.exited():
-            code = run.proc.returncode if run.proc else None
             await asyncio.sleep(TAIL_POLL_S * 3)  # let the tailer catch the last lines
-            message = f"{run.adapter.label} {describe_exit(code)} while loading"
+            message = f"{run.adapter.label} {describe_exit(run.process.returncode)} while loading"
         else:
             message = verdict
             await self._kill(run)
-            code = run.proc.returncode if run.proc else None
+        code = run.process.returncode
         await self._stop_tailer(run)
         last = run.last_lines()
         await db_transition(run.instance_id, InstanceState.ERROR, message,
@@ -393,12 +367,12 @@ class Supervisor(AgentWorker):
         return LOAD_FAILED
 
     async def _watch_ready(self, run: BackendRun) -> str:
-        code = await run.wait_exit()
+        code = await run.process.wait()
         if run.stopping:
             return STOPPED
         await asyncio.sleep(TAIL_POLL_S * 3)
         await self._stop_tailer(run)
-        kill_group(run.pgid)  # nothing of the dead backend's group may linger
+        run.process.kill_rest()  # nothing of the dead backend's group may linger
         message = f"{run.adapter.label if run.adapter else 'backend'} {describe_exit(code)} while READY"
         await db_transition(run.instance_id, InstanceState.ERROR, message,
                             last_error=f"{message}\n{run.last_lines()}".strip(), exit_code=code, pid=None, pgid=None,
@@ -415,15 +389,16 @@ class Supervisor(AgentWorker):
                 return "exited"
             try:
                 r = await self.http.get(url, timeout=2.0)
-                if r.status_code == 200 and await asyncio.to_thread(listener_is_ours, run.pgid, run.port):
+                if r.status_code == 200 and await asyncio.to_thread(listener_is_ours, run.process.pgid, run.port):
                     return "ok"
             except httpx.HTTPError:
                 pass
             # A ready line in the log only makes the next poll come sooner.
+            hint = run.tailer.ready_hint
             with contextlib.suppress(TimeoutError):
                 fast = time.monotonic() - started < FAST_POLL_FOR_S
-                await asyncio.wait_for(run.ready_hint.wait(), HEALTH_POLL_FAST_S if fast else HEALTH_POLL_S)
-            run.ready_hint.clear()
+                await asyncio.wait_for(hint.wait(), HEALTH_POLL_FAST_S if fast else HEALTH_POLL_S)
+            hint.clear()
         return f"{run.adapter.label} did not answer {run.adapter.health_path} within {timeout:g} s"
 
     async def _warm_up(self, run: BackendRun) -> str | None:
@@ -438,53 +413,28 @@ class Supervisor(AgentWorker):
         return None
 
     # ------------------------------------------------------------ log tailing
-    async def _tail(self, run: BackendRun, path: Path, *, from_start: bool) -> None:
-        hints = run.adapter.ready_hints if run.adapter else ()
-        last_flush, dirty = 0.0, False
-        try:
-            with open(path, "rb") as fh:
-                if not from_start:
-                    fh.seek(max(0, path.stat().st_size - 16384))
-                    for line in fh.read().decode(errors="replace").splitlines()[-TAIL_LINES:]:
-                        run.tail.append(line[:2000])
-                partial = b""
-                while True:
-                    chunk = fh.read(65536)
-                    if chunk:
-                        data = partial + chunk
-                        *lines, partial = data.split(b"\n")
-                        texts = [ln.decode(errors="replace").rstrip("\r")[:2000] for ln in lines]
-                        for text in texts:
-                            run.tail.append(text)
-                            if any(h in text for h in hints):
-                                run.ready_hint.set()
-                        if texts:
-                            dirty = True
-                            await events.log_lines(run.instance_id, texts, fh.tell() - len(partial))
-                    if dirty and time.monotonic() - last_flush >= TAIL_FLUSH_S:
-                        await db_save_tail(run.instance_id, list(run.tail))
-                        last_flush, dirty = time.monotonic(), False
-                    if not chunk:
-                        await asyncio.sleep(TAIL_POLL_S)
-        except asyncio.CancelledError:
-            if dirty:
-                with contextlib.suppress(Exception):
-                    await db_save_tail(run.instance_id, list(run.tail))
-            raise
-        except OSError:
-            log.warning("cannot follow %s", path, exc_info=True)
+    def _start_tailer(self, run: BackendRun, path: Path, *, from_start: bool) -> None:
+        instance_id = run.instance_id
+
+        async def on_lines(lines: list[str], offset: int) -> None:
+            await events.log_lines(instance_id, lines, offset)
+
+        async def on_flush(lines: list[str]) -> None:
+            await db_save_tail(instance_id, lines)
+
+        run.tailer = LogTailer(path, hints=run.adapter.ready_hints if run.adapter else (),
+                               on_lines=on_lines, on_flush=on_flush)
+        run.tailer.start(from_start=from_start)
 
     async def _stop_tailer(self, run: BackendRun) -> None:
         if run.tailer is not None:
-            run.tailer.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await run.tailer
-            run.tailer = None
+            await run.tailer.stop()
 
     # ------------------------------------------------------------ stopping
     async def _kill(self, run: BackendRun) -> None:
         """SIGTERM the process group, wait STOP_GRACE_S, SIGKILL the group, reap."""
-        await stop_group(run.pgid, proc=run.proc, pid=run.pid, grace_s=settings.STOP_GRACE_S)
+        if run.process is not None:
+            await run.process.stop(settings.STOP_GRACE_S)
 
     async def stop_instance(self, instance_id: int, reason: str, *, keep_desired: bool = False) -> None:
         """Stop the backend of an instance: UNLOADING, kill the group, reap, STOPPED with port and GPUs freed."""
@@ -504,7 +454,7 @@ class Supervisor(AgentWorker):
         self.runs.pop(instance_id, None)
         if inst is not None:
             fields = {"pid": None, "pgid": None, "port": None, "stopped_at": timezone.now(), "progress_pct": None,
-                      "exit_code": run.proc.returncode if run.proc else None}
+                      "exit_code": run.process.returncode if run.process else None}
             if not keep_desired:
                 fields["gpus"] = []
             await db_transition(instance_id, InstanceState.STOPPED, reason, **fields)
@@ -535,7 +485,7 @@ class Supervisor(AgentWorker):
                 continue
             adapter = get_adapter(inst.backend)
             run = BackendRun(instance_id=inst.pk, adapter=adapter, model_name=inst.model_name, server_type=inst.type,
-                             port=inst.port, pid=pid, pgid=pgid, adopted=True)
+                             port=inst.port, process=BackendProcess(pid=pid, pgid=pgid), adopted=True)
             healthy = False
             if inst.state == InstanceState.READY:
                 try:
@@ -546,7 +496,7 @@ class Supervisor(AgentWorker):
                     healthy = False
             if healthy:
                 self.runs[inst.pk] = run
-                run.tailer = asyncio.create_task(self._tail(run, current_log(inst.pk), from_start=False))
+                self._start_tailer(run, current_log(inst.pk), from_start=False)
                 await db_transition(inst.pk, InstanceState.READY, f"adopted after an agent restart (pid {pid})")
                 self._launch(inst, run)
                 log.info("adopted backend pid %s of %s", pid, inst)
