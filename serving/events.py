@@ -6,10 +6,11 @@ fragment overwriting a newer one (static/js/live_versions.js).
 """
 from __future__ import annotations
 
+from django.dispatch import receiver
 from django.template.loader import render_to_string
 from django.utils.html import escape
 
-from serving.models import InstanceEvent, ModelInstance
+from serving.models import InstanceEvent, ModelInstance, instance_changed
 from xgenconsole.live import publish, publish_sync
 
 LIST_GROUP = "instances"
@@ -46,6 +47,12 @@ def state_changed(instance: ModelInstance, event: InstanceEvent | None = None) -
     publish_sync(instance_group(instance.pk), state, key=f"inst-state-{instance.pk}")
     if event is not None:
         publish_sync(instance_group(instance.pk), timeline_html(instance.pk, oob=True), key=f"timeline-{instance.pk}")
+
+
+@receiver(instance_changed, dispatch_uid="serving.events.state_changed")
+def _on_instance_changed(sender, *, instance: ModelInstance, event: InstanceEvent | None, progress_only: bool,
+                         **kwargs) -> None:
+    state_changed(instance, event)
 
 
 def instances_context(*, can_operate: bool) -> dict:

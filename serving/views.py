@@ -3,7 +3,6 @@ timeline and playground, and the operator actions."""
 from __future__ import annotations
 
 import json
-import shlex
 
 import httpx
 from django.contrib import messages
@@ -17,8 +16,10 @@ from serving.events import instances_context, timeline_events
 from serving.forms import ExtraArgsError, LoadForm, parse_extra_args
 from serving.models import InstanceState, ModelInstance
 from serving.node.logs import current_log, previous_log
+from serving.placement import gpu_rooms
+from serving.planning import LoadRefused, plan_load
 from serving.proxy.metrics import usage_summary
-from serving.services import LoadRefused, gpu_rooms, plan_load, request_load, request_restart, request_unload
+from serving.services import request_load, request_restart, request_unload
 from xgenconsole.models import Role
 from xgenconsole.views import role_required
 
@@ -71,12 +72,13 @@ def _plan_kwargs(data) -> dict:
 @role_required(Role.OPERATOR)
 @require_GET
 def load_verdict(request: HttpRequest) -> HttpResponse:
-    """The Load dialog's verdict: backend and why, where it fits, and the command line."""
+    """The Load dialog's verdict: backend and why, where it fits, and the command line (the same
+    plan a load would store)."""
     ctx: dict = {}
     try:
         plan = plan_load(**_plan_kwargs(request.GET))
         ctx["plan"] = plan
-        ctx["command"] = shlex.join(plan.command)
+        ctx["command"] = plan.command_line
     except ExtraArgsError as exc:
         ctx["error"] = f"Extra arguments: {exc}"
     except LoadRefused as exc:

@@ -156,11 +156,6 @@ def listener_is_ours(pgid: int | None, port: int) -> bool:
     return False
 
 
-def bind_host(node_address: str) -> str:
-    """Backends listen only where web processes reach them (the node's address), never on every interface."""
-    return "127.0.0.1" if node_address in ("", "localhost") else node_address
-
-
 def url_host(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
