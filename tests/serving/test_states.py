@@ -1,11 +1,13 @@
 """State changes go through ModelInstance's mark_* methods, checked against one table; progress
-ticks never write a state the instance has left."""
+ticks never write a state the instance has left and do not re-render the list card."""
 from __future__ import annotations
 
 import ast
 import re
 
 import pytest
+from asgiref.sync import sync_to_async
+from channels.testing import WebsocketCommunicator
 
 from serving.models import (
     TRANSITIONS,
@@ -131,3 +133,34 @@ def test_only_the_model_writes_state():
     assert writes == [], "state written outside serving/models.py:\n" + "\n".join(writes)
     text = (REPO / "serving" / "node" / "supervisor.py").read_text()
     assert not re.search(r"\bpid=None\b", text), "the process fields are cleared by the model, not by hand"
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_a_progress_tick_updates_the_state_block_not_the_list_card(node, viewer):
+    from serving.consumers import InstanceConsumer, InstancesConsumer
+
+    inst = await sync_to_async(_instance)(node, "tick")
+    await sync_to_async(inst.mark_caching)(10.0)
+    listing = WebsocketCommunicator(InstancesConsumer.as_asgi(), "/ws/instances/")
+    listing.scope["user"] = viewer.user
+    one = WebsocketCommunicator(InstanceConsumer.as_asgi(), f"/ws/instances/{inst.pk}/")
+    one.scope["user"] = viewer.user
+    one.scope["url_route"] = {"kwargs": {"pk": inst.pk}}
+    assert (await listing.connect())[0] and (await one.connect())[0]
+
+    assert await sync_to_async(inst.set_progress)(55.0)
+    cell = await listing.receive_from(timeout=3)
+    assert cell.startswith(f'<div id="inst-row-state-{inst.pk}"') and 'hx-swap-oob="true"' in cell
+    assert "CACHING 55%" in cell and "instances-card" not in cell
+    state = await one.receive_from(timeout=3)
+    assert f'id="inst-state-{inst.pk}"' in state and "copying from the store: 55%" in state
+    assert 'id="timeline"' not in state, "a tick is no transition: no timeline row"
+    assert await listing.receive_nothing(timeout=0.5) and await one.receive_nothing(timeout=0.3)
+
+    # A state change still re-renders the whole card (its counts change with it).
+    await sync_to_async(lambda: inst.mark_loading(pid=4242, pgid=4242, port=18123, gpus=[], message="starting"))()
+    card = await listing.receive_from(timeout=3)
+    assert card.startswith('<div id="instances-card"') and f'id="inst-row-state-{inst.pk}"' in card
+    assert "LOADING" in card
+    await listing.disconnect()
+    await one.disconnect()
