@@ -5,7 +5,7 @@ from django.http import HttpRequest
 from ninja import Router, Status
 
 from serving.models import ModelInstance
-from serving.planning import LoadRefused, stored_plan
+from serving.planning import LoadRefused, local_python, stored_plan
 from serving.schemas import InstanceOut, InstanceRef, LoadIn, LoadOut
 from serving.services import find_instance, request_load, request_restart, request_unload
 from xgenconsole.auth import api_auth, operator_auth, require_role
@@ -24,8 +24,9 @@ def instance_out(inst: ModelInstance) -> dict:
         "restarts": inst.restarts, "error": inst.last_error, "exit_code": inst.exit_code,
         "extra_args": inst.extra_args or {}, "ready_at": inst.ready_at, "created_at": inst.created_at,
         "log_tail": list(inst.log_tail or []),
-        # The argv as planned; {port} and {model} stay until the agent has picked them.
-        "command": plan.command(port=inst.port, model=plan.known_model_file) if plan else None,
+        # The argv as planned; {port}, {model} and {python} stay where only the node knows them.
+        "command": plan.command(port=inst.port, model=plan.known_model_file,
+                                python=local_python(inst.node.name)) if plan else None,
     }
 
 

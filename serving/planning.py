@@ -5,13 +5,16 @@ template, the environment it adds, the host it listens on, the memory estimate a
 The web side makes the plan when a load is requested (the Load page's verdict and command line
 come from the same function) and stores it on the instance; the node agent launches from it,
 filling in only the port and the model's local path (a store prefix is synced into the node
-cache on the node, so that path is known only there). An instance from before plans existed
+cache on the node, so that path is known only there), and the Python interpreter of a backend
+that runs as a module (the node's, which a web process on another host does not know). An
+instance from before plans existed
 gets its plan made once, on the node, from its row (`plan_for_instance`).
 """
 from __future__ import annotations
 
 import re
 import shlex
+import sys
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path, PurePosixPath
 
@@ -36,9 +39,11 @@ from serving.selection import CPU, BackendUnavailable, choose_backend, node_gpu_
 
 MODEL_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
 PREFIX_RE = re.compile(r"^(gguf|huggingface)/[A-Za-z0-9][A-Za-z0-9._-]{0,200}(/[A-Za-z0-9][A-Za-z0-9._-]{0,200})*$")
-# argv items the agent fills in at launch: the port it picks, the model's local path.
+# argv items the agent fills in at launch: the port it picks, the model's local path, its Python.
 PORT_SLOT = "{port}"
 MODEL_SLOT = "{model}"
+PYTHON_SLOT = "{python}"
+SLOTS = (PORT_SLOT, MODEL_SLOT, PYTHON_SLOT)
 CTX_FLAGS = ("--ctx-size", "--n_ctx", "--max-model-len")
 
 
@@ -159,7 +164,7 @@ class LaunchPlan:
     gpu_type: str  # the node's GPU type (NVIDIA, AMD_CDNA, AMD_RDNA), "" on a node without GPUs
     gpus: tuple[int, ...]
     tensor_parallel_size: int
-    argv: tuple[str, ...]  # with PORT_SLOT and MODEL_SLOT where the agent fills them in
+    argv: tuple[str, ...]  # with PORT_SLOT, MODEL_SLOT (and PYTHON_SLOT) where the agent fills them in
     env: dict[str, str] = field(default_factory=dict)  # added to the allowlisted environment
     host: str = "127.0.0.1"
     estimate_mib: int = 0
@@ -179,21 +184,18 @@ class LaunchPlan:
             return self.model_path
         return None
 
-    def command(self, *, port: int | None = None, model: str | Path | None = None) -> list[str]:
-        """The argv, with the port and the model path filled in where they are known."""
-        out = []
-        for item in self.argv:
-            if item == PORT_SLOT and port is not None:
-                item = str(port)
-            elif item == MODEL_SLOT and model is not None:
-                item = str(model)
-            out.append(item)
-        return out
+    def command(self, *, port: int | None = None, model: str | Path | None = None,
+                python: str | None = None) -> list[str]:
+        """The argv, with the port, the model path and the interpreter filled in where they are known."""
+        fill = {PORT_SLOT: None if port is None else str(port), MODEL_SLOT: None if model is None else str(model),
+                PYTHON_SLOT: python}
+        return [fill.get(item) or item for item in self.argv]
 
-    def command_line(self, *, port: int | None = None, model: str | Path | None = None) -> str:
+    def command_line(self, *, port: int | None = None, model: str | Path | None = None,
+                     python: str | None = None) -> str:
         """The command as a shell line to copy (placeholders left bare)."""
-        return " ".join(a if a in (PORT_SLOT, MODEL_SLOT) else shlex.quote(a)
-                        for a in self.command(port=port, model=model))
+        argv = self.command(port=port, model=model, python=python)
+        return " ".join(a if a in SLOTS else shlex.quote(a) for a in argv)
 
     def to_json(self) -> dict:
         data = asdict(self)
@@ -246,11 +248,17 @@ class LoadPlan:
     @property
     def command(self) -> list[str]:
         """The command line as it will run (the port is chosen at start)."""
-        return self.launch.command(model=self.preview_model)
+        return self.launch.command(model=self.preview_model, python=local_python(self.node.name))
 
     @property
     def command_line(self) -> str:
-        return self.launch.command_line(model=self.preview_model)
+        return self.launch.command_line(model=self.preview_model, python=local_python(self.node.name))
+
+
+def local_python(node_name: str) -> str | None:
+    """The interpreter a Python-module backend runs in on `node_name`, when that node's agent is
+    this process's (all-in-one); None when only that node knows it."""
+    return sys.executable if node_name == settings.NODE_NAME else None
 
 
 def make_launch_plan(*, node: Node, source: ModelSource, model_name: str, server_type: str, backend: str | None,
@@ -296,7 +304,8 @@ def make_launch_plan(*, node: Node, source: ModelSource, model_name: str, server
     spec = LaunchSpec(
         model_file=Path(MODEL_SLOT), model_name=model_name, server_type=server_type, host=bind_host(node.address),
         port=PORT_SLOT, gpus=tuple(chosen), gpu_type=gpu_type, flavour=choice.flavour, version=choice.version,
-        executable=choice.path, tensor_parallel_size=tp, extra_args=extra, extra_args_checked=True,
+        executable=choice.path, python=PYTHON_SLOT, tensor_parallel_size=tp, extra_args=extra,
+        extra_args_checked=True,
     )
     plan = LaunchPlan(
         model_name=model_name, server_type=server_type, model_path=source.model_path, format=source.fmt,

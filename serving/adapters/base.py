@@ -70,6 +70,7 @@ class LaunchSpec:
     flavour: str = ""  # cuda | rocm | vulkan | cpu | ""
     version: str = ""
     executable: str = ""  # the backend's binary when it is not a Python module (llama-server)
+    python: str = ""  # the interpreter a Python-module backend runs in (default: this one)
     tensor_parallel_size: int = 1
     extra_args: dict = field(default_factory=dict)
     extra_args_checked: bool = False  # already normalize_extra_args()'s output (the plan checks them once)

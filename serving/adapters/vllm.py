@@ -76,7 +76,7 @@ class VllmServer(BackendAdapter):
 
     def build_command(self, spec: LaunchSpec) -> list[str]:
         cmd = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            spec.python or sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(spec.model_file),
             "--served-model-name", spec.model_name,
             "--host", spec.host,

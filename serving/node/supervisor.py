@@ -17,6 +17,7 @@ import contextlib
 import functools
 import logging
 import os
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -280,7 +281,7 @@ class Supervisor(AgentWorker):
             run.adapter, run.host = get_adapter(plan.backend), plan.host
             model_file = await self._resolve_model(run, plan)
             port = await self._pick_port(inst)
-            argv = plan.command(port=port, model=model_file)
+            argv = plan.command(port=port, model=model_file, python=sys.executable)
             env = backend_environment(plan.env, os.environ)
         except (LoadFailed, LoadRefused) as exc:
             message = exc.message if isinstance(exc, LoadRefused) else str(exc)

@@ -7,6 +7,7 @@ import asyncio
 import os
 import shlex
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -59,6 +60,7 @@ async def test_the_agent_launches_the_stored_plan(agent, tiny_gguf):
     assert inst.state == InstanceState.READY, inst.last_error
     argv = list(inst.plan["argv"])
     argv[argv.index("{port}")], argv[argv.index("{model}")] = str(inst.port), str(tiny_gguf)
+    argv[argv.index("{python}")] = sys.executable  # the agent's own interpreter
     assert _first_log_line(inst.pk) == "$ " + shlex.join(argv)
     assert "--n_ctx 256" in _first_log_line(inst.pk)
 
@@ -82,7 +84,8 @@ async def test_an_instance_from_before_plans_is_planned_once_on_the_node(agent, 
     from serving.planning import LaunchPlan
 
     plan = LaunchPlan.from_json(inst.plan)
-    assert _first_log_line(inst.pk) == "$ " + shlex.join(plan.command(port=inst.port, model=tiny_gguf))
+    assert _first_log_line(inst.pk) == "$ " + shlex.join(plan.command(port=inst.port, model=tiny_gguf,
+                                                                      python=sys.executable))
     assert "--n_ctx 512" in _first_log_line(inst.pk) and "--verbose false" in _first_log_line(inst.pk)
     assert [s for s in await sync_to_async(_states)(inst.pk)] == ["PENDING", "LOADING", "WARMING", "READY"]
 

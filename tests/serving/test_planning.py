@@ -1,10 +1,12 @@
 """The load decision is made once (serving.planning): the Load page's verdict, the stored plan and
-the API's `command` are the same; bad input is a 4xx with a message, never a 500."""
+the API's `command` are the same."""
 from __future__ import annotations
+
+import sys
 
 import pytest
 
-from serving.planning import MODEL_SLOT, PORT_SLOT, LaunchPlan
+from serving.planning import MODEL_SLOT, PORT_SLOT, PYTHON_SLOT, LaunchPlan
 from tests.conftest import bearer
 from tests.serving.conftest import LLAMA_CPP_PYTHON, NODE
 
@@ -43,18 +45,32 @@ def test_the_stored_plan_is_what_the_verdict_showed(client, node, operator, tiny
     assert plan.gpus == () and plan.gpu_type == "" and plan.host == "127.0.0.1"
     assert plan.argv[plan.argv.index("--port") + 1] == PORT_SLOT
     assert plan.argv[plan.argv.index("--model") + 1] == MODEL_SLOT
+    assert plan.argv[:3] == (PYTHON_SLOT, "-m", "llama_cpp.server"), "the node's interpreter, not the web's"
     assert plan.env == {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     assert plan.estimate_mib == inst.estimated_memory_mib and plan.reason in inst.backend_reason
-    shown = plan.command_line(model=str(tiny_gguf))
+    # This process is node-t's agent too (all-in-one): its interpreter is the backend's.
+    shown = plan.command_line(model=str(tiny_gguf), python=sys.executable)
     assert shown in verdict.replace("&#x27;", "'") and "--port {port}" in shown
     # The API shows the argv as planned, the model path filled in (the port once the agent picks it).
     one = client.get(f"/api/management/instances/{inst.pk}", **bearer(operator.key)).json()
-    assert one["command"] == plan.command(model=str(tiny_gguf))
+    assert one["command"] == plan.command(model=str(tiny_gguf), python=sys.executable)
     assert one["command"][one["command"].index("--n_ctx") + 1] == "512"
     assert PORT_SLOT in one["command"]
     type(inst).objects.filter(pk=inst.pk).update(port=18555)
     one = client.get(f"/api/management/instances/{inst.pk}", **bearer(operator.key)).json()
     assert one["command"][one["command"].index("--port") + 1] == "18555"
+
+
+def test_another_nodes_interpreter_stays_a_placeholder(client, node, operator, serving_settings):
+    serving_settings.NODE_NAME = "web-only"  # a web process on another host than node-t's agent
+    client.force_login(operator.user)
+    verdict = client.get("/instances/new/verdict", {"model_path": "/models/tiny.gguf", "node": NODE}).content.decode()
+    assert "{python} -m llama_cpp.server" in verdict and sys.executable not in verdict
+    r = _load(client, operator.key, {"model_path": "/models/tiny.gguf", "model_name": "remote", "node": NODE})
+    assert r.status_code == 202, r.content
+    one = client.get(f"/api/management/instances/{r.json()['id']}", **bearer(operator.key)).json()
+    assert one["command"][0] == PYTHON_SLOT
+    assert one["command"][one["command"].index("--model") + 1] == "/models/tiny.gguf"
 
 
 def test_a_plan_round_trips_through_json(node, tiny_gguf):
