@@ -69,6 +69,10 @@ class CacheCorrupt(CacheError):
     """A fetched file did not match the manifest (size or checksum)."""
 
 
+class SyncCancelled(CacheError):
+    """The caller cancelled the sync (an unload during the copy); no partial file is left."""
+
+
 @dataclass
 class SyncStats:
     """What the last sync of this process did (for tests and the bench)."""
@@ -223,6 +227,8 @@ def _fetch_file(store: ModelStore, prefix: str, f: ManifestFile, local_dir: Path
     hash_bytes = hash_bytes or not f.etag
     digest = hashlib.sha256() if hash_bytes else None
     written = 0
+    if stop.is_set():  # cancelled or failed before this file's turn came
+        raise _Cancelled()
 
     def on_chunk(chunk: bytes) -> None:
         nonlocal written
@@ -267,6 +273,7 @@ def sync_to_cache(
     progress: Progress | None = None,
     store: ModelStore | None = None,
     verify: bool = False,
+    cancel: threading.Event | None = None,
 ) -> Path:
     """Make MODELS_DIR/<prefix> a verified copy of the store model and return that folder.
 
@@ -275,6 +282,8 @@ def sync_to_cache(
     re-hashes every cached file even when its recorded size and mtime match. Raises
     ModelNotInStore for an incomplete or missing model, CacheError/StoreError on failure; a
     failed or killed sync never leaves a file or a local manifest that passes as complete.
+    Setting `cancel` stops the copy at its next chunk: it removes its *.part files and raises
+    SyncCancelled (files already verified stay, for the next sync to keep).
     """
     prefix = validate_prefix(prefix)
     store = store or get_store()
@@ -308,6 +317,8 @@ def sync_to_cache(
         return local_dir
 
     with model_lock(prefix):
+        if cancel is not None and cancel.is_set():
+            raise SyncCancelled(f"the copy of {prefix} was cancelled")
         # Another thread or process may have finished the same sync while we waited.
         local = read_local_manifest(local_dir)
         if not verify and _manifest_matches_local(manifest, local, local_dir):
@@ -338,6 +349,8 @@ def sync_to_cache(
 
         def on_bytes(n: int) -> None:
             nonlocal done
+            if cancel is not None and cancel.is_set():
+                stop.set()  # every worker stops at its next chunk
             with lock:
                 done += n
                 if progress:
@@ -353,14 +366,17 @@ def sync_to_cache(
                     last_record = time.monotonic()
                     while pending:
                         finished, pending = wait(pending, timeout=0.5, return_when=FIRST_EXCEPTION)
-                        if any(fut.exception() for fut in finished):
+                        if any(fut.exception() for fut in finished) or (cancel is not None and cancel.is_set()):
                             stop.set()
                             break
                         if time.monotonic() - last_record > 1.0:
                             _safe_record(node_name, prefix, state="SYNCING", bytes_done=done, bytes_total=total)
                             last_record = time.monotonic()
+                    cancelled = cancel is not None and cancel.is_set()
                     stop.set()
                     wait(futures)
+                if cancelled:
+                    raise SyncCancelled(f"the copy of {prefix} was cancelled")
                 errors = [fut.exception() for fut in futures if fut.exception() and not isinstance(fut.exception(), _Cancelled)]
                 if errors:
                     if isinstance(errors[0], OSError) and errors[0].errno == errno.ENOSPC:
@@ -371,6 +387,9 @@ def sync_to_cache(
                 stats.files_fetched = len(fetch)
                 stats.bytes_fetched = sum(f.size for f in fetch)
             _write_local_manifest(local_dir, manifest)
+        except SyncCancelled as exc:
+            _safe_record(node_name, prefix, state="MISSING", bytes_done=0, bytes_total=total, error=str(exc))
+            raise
         except BaseException as exc:
             _safe_record(node_name, prefix, state="FAILED", bytes_done=done, bytes_total=total,
                          error=f"{exc.__class__.__name__}: {exc}"[:2000])
@@ -410,6 +429,6 @@ def resolve_model_path(local_dir: Path, fmt: str, filename: str | None = None) -
 
 
 __all__ = [
-    "CacheCorrupt", "CacheError", "ModelNotInStore", "MANIFEST_NAME", "StoreError", "cache_dir_for", "is_cached",
-    "model_lock", "resolve_model_path", "sync_to_cache",
+    "CacheCorrupt", "CacheError", "ModelNotInStore", "MANIFEST_NAME", "StoreError", "SyncCancelled", "cache_dir_for",
+    "is_cached", "model_lock", "resolve_model_path", "sync_to_cache",
 ]

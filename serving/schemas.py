@@ -55,3 +55,4 @@ class InstanceOut(Schema):
     ready_at: datetime | None
     created_at: datetime
     log_tail: list[str]
+    command: list[str] | None = None

@@ -48,6 +48,10 @@ STOP_GRACE_S = env_int("XGEN_STOP_GRACE", 15, minimum=1)
 RESTART_LIMIT = env_int("XGEN_RESTART_LIMIT", 5, minimum=0)
 RESTART_BACKOFF_S = env_int("XGEN_RESTART_BACKOFF", 2, minimum=0)
 RECONCILE_INTERVAL_S = env_int("XGEN_RECONCILE_INTERVAL", 5, minimum=1)
+# Backends see only an allowlist of the agent's environment; these names are passed as well.
+BACKEND_ENV_PASS = env_list("XGEN_BACKEND_ENV", [])
+# vLLM's --trust-remote-code runs Python from the model's repository: refused unless allowed here.
+ALLOW_TRUST_REMOTE_CODE = env_bool("XGEN_ALLOW_TRUST_REMOTE_CODE", False)
 
 # Model store: MinIO when configured, else a filesystem store in the data dir.
 MINIO_ENDPOINT = env_str("MINIO_ENDPOINT")

@@ -5,7 +5,16 @@ import sys
 
 from django.conf import settings
 
-from serving.adapters.base import BOOL, FLOAT, INT, STR, BackendAdapter, LaunchSpec, parse_version
+from serving.adapters.base import (
+    BOOL,
+    FLOAT,
+    INT,
+    STR,
+    BackendAdapter,
+    InvalidExtraArgs,
+    LaunchSpec,
+    parse_version,
+)
 
 # vLLM's docs: through 0.10.0 embeddings use `--task embed`; from 0.10.1 `--runner pooling --convert embed`.
 POOLING_RUNNER_SINCE = (0, 10, 1)
@@ -17,7 +26,7 @@ COMMON_FLAGS = {
     "--max-num-seqs": INT,
     "--max-num-batched-tokens": INT,
     "--enforce-eager": BOOL,
-    "--trust-remote-code": BOOL,
+    "--trust-remote-code": BOOL,  # only with XGEN_ALLOW_TRUST_REMOTE_CODE=true (see _check_value)
     "--quantization": STR,
     "--kv-cache-dtype": STR,
     "--swap-space": FLOAT,
@@ -57,9 +66,17 @@ class VllmServer(BackendAdapter):
             flags["--task"] = "choice:auto|generate|embed|classify|score|reward"
         return flags
 
+    def _check_value(self, flag: str, kind: str, value: object) -> object:
+        checked = super()._check_value(flag, kind, value)
+        if flag == "--trust-remote-code" and checked is True and not settings.ALLOW_TRUST_REMOTE_CODE:
+            # Remote code is Python from the model's repository, run inside the backend.
+            raise InvalidExtraArgs("--trust-remote-code runs the model repository's own Python code; this console "
+                                   "refuses it unless XGEN_ALLOW_TRUST_REMOTE_CODE=true")
+        return checked
+
     def build_command(self, spec: LaunchSpec) -> list[str]:
         cmd = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            spec.python or sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(spec.model_file),
             "--served-model-name", spec.model_name,
             "--host", spec.host,

@@ -36,9 +36,10 @@ beat = timezone.now() if {node_fresh} else timezone.now() - timedelta(days=1)
 node, _ = Node.objects.update_or_create(name={BACKEND_NODE!r}, defaults={{"address": "127.0.0.1", "last_heartbeat": beat}})
 ModelInstance.objects.filter(node=node).delete()
 ids = []
-for row in rows:
+for i, row in enumerate(rows):
+    replica = sum(1 for other in rows[:i] if other["name"] == row["name"])  # replicas of one name are numbered
     inst = ModelInstance.objects.create(
-        model_name=row["name"], model_path="/models/tiny.gguf", type=row.get("type", "llm"),
+        model_name=row["name"], replica=replica, model_path="/models/tiny.gguf", type=row.get("type", "llm"),
         backend="llama-cpp-python", node=node, port=row["port"], state=row.get("state", "READY"),
         ready_at=timezone.now())
     ids.append(inst.pk)
