@@ -237,8 +237,13 @@ def _upgrade(tmp_path: Path, release_tree: Path, *, database_url: str | None = N
     after = _shell(REPO, new_env, SNAPSHOT, "SNAPSHOT")
     assert _rows_kept(before["rows"], after["rows"]) == []
     for table in ("xgenconsole_user", "xgenconsole_apikey", "xgenconsole_user_groups",
-                  "xgenconsole_user_user_permissions", "hub_downloadjob", "serving_modelinstance"):
+                  "xgenconsole_user_user_permissions", "hub_downloadjob"):
         assert after["schema"][table] == before["schema"][table], f"{table} changed shape"
+    # 0.2 adds columns to instances (the launch plan, the replica number): every 0.1.0 column and
+    # constraint (the created_by foreign key included) is still there, unchanged.
+    kept, now = before["schema"]["serving_modelinstance"], after["schema"]["serving_modelinstance"]
+    assert [c for c in kept["columns"] if c not in now["columns"]] == []
+    assert {k: v for k, v in kept["constraints"].items() if now["constraints"].get(k) != v} == {}
 
     # ...and a fresh database of this version has exactly the upgraded one's shape.
     fresh_env = _env(tmp_path / "fresh", fresh_database_url)
