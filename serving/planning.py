@@ -21,6 +21,7 @@ from pathlib import Path, PurePosixPath
 from django.conf import settings
 
 from hardware.models import GpuDevice, Node
+from hub import layout
 from hub.models import ModelArtifact
 from serving.adapters import InvalidExtraArgs, LaunchSpec, get_adapter
 from serving.models import InstanceType, ModelInstance
@@ -81,11 +82,6 @@ def _validate_prefix(prefix: str) -> str:
         raise LoadRefused(400, f"'{prefix[:120]}' is not a valid store prefix: {exc}") from None
 
 
-def gguf_in_dir(path: Path) -> Path | None:
-    files = sorted(path.glob("*.gguf"))
-    return files[0] if files else None
-
-
 def resolve_source(model_path: str, *, on_this_node: bool) -> ModelSource:
     """What `model_path` names: a store prefix (must be in the store) or an absolute path on the node."""
     raw = (model_path or "").strip()
@@ -103,18 +99,20 @@ def resolve_source(model_path: str, *, on_this_node: bool) -> ModelSource:
         if on_this_node:
             if not path.exists():
                 raise LoadRefused(400, f"no file or directory at {raw[:200]} on this node")
+            # What a folder holds and which file of it is served: hub.layout's rules, the same the
+            # store and the node cache use.
             if path.is_file():
-                if path.suffix != ".gguf":
+                if not layout.is_gguf(path.name):
                     raise LoadRefused(400, f"{raw[:200]} is not a .gguf file (give a .gguf file or a model directory)")
-                return ModelSource(raw, "path", "gguf", path, None, path.stat().st_size)
-            if (path / "config.json").is_file():
-                size = sum(p.stat().st_size for p in path.glob("*.safetensors"))
-                return ModelSource(raw, "path", "huggingface", path, None, size)
-            found = gguf_in_dir(path)
+                return ModelSource(raw, "path", "gguf", path, None, layout.weights_bytes(path, layout.GGUF))
+            if layout.is_hf_folder(path):
+                return ModelSource(raw, "path", "huggingface", path, None,
+                                   layout.weights_bytes(path, layout.HUGGINGFACE))
+            found = layout.gguf_to_serve(path)
             if found:
-                return ModelSource(raw, "path", "gguf", found, None, found.stat().st_size)
+                return ModelSource(raw, "path", "gguf", found, None, layout.weights_bytes(found, layout.GGUF))
             raise LoadRefused(400, f"{raw[:200]} has neither config.json nor a .gguf file")
-        fmt = "gguf" if raw.endswith(".gguf") else "huggingface"
+        fmt = "gguf" if layout.is_gguf(raw) else "huggingface"
         return ModelSource(raw, "path", fmt, None, None, 0)
     if raw.startswith("~") or "\\" in raw:
         raise LoadRefused(400, "model_path must be a store prefix (gguf/..., huggingface/...) or an absolute path")
@@ -142,8 +140,8 @@ def _store_manifest(prefix: str):
 
 def default_model_name(source: ModelSource) -> str:
     base = PurePosixPath(source.model_path).name
-    if base.endswith(".gguf"):
-        base = base[: -len(".gguf")]
+    if layout.is_gguf(base):
+        base = base[: -len(layout.GGUF_SUFFIX)]
     name = re.sub(r"[^A-Za-z0-9._:/-]", "-", base).strip("-.") or "model"
     return name[:128]
 
@@ -180,7 +178,7 @@ class LaunchPlan:
     def known_model_file(self) -> str | None:
         """The model path the backend gets, where it is known before the agent resolves it: an
         absolute .gguf file or Hugging Face folder (a store prefix lands in the node's cache)."""
-        if self.model_path.startswith("/") and (self.model_path.endswith(".gguf") or self.format == "huggingface"):
+        if self.model_path.startswith("/") and (layout.is_gguf(self.model_path) or self.format == "huggingface"):
             return self.model_path
         return None
 

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 import httpx
 from django.conf import settings
 
+from hub import layout
 from hub.cache import resolve_model_path, sync_to_cache
 from live.db import db_async
 from serving import events
@@ -52,7 +53,7 @@ from serving.node.processes import (
 )
 from serving.node.worker import AgentWorker
 from serving.placement import PlacementError, bind_host, pick_port
-from serving.planning import LaunchPlan, LoadRefused, gguf_in_dir, plan_for_instance, stored_plan
+from serving.planning import LaunchPlan, LoadRefused, plan_for_instance, stored_plan
 from serving.services import instances_for_node, save_log_tail
 
 if TYPE_CHECKING:
@@ -312,8 +313,8 @@ class Supervisor(AgentWorker):
         (a copy that stops when the run does, leaving no *.part behind)."""
         if plan.model_path.startswith("/"):
             path = Path(plan.model_path)
-            if path.is_dir() and not (path / "config.json").is_file():
-                path = gguf_in_dir(path) or path
+            if path.is_dir() and not layout.is_hf_folder(path):
+                path = layout.gguf_to_serve(path) or path
             if not path.exists():
                 raise LoadFailed(f"no file or directory at {plan.model_path} on node {self.agent.name}")
             return path
