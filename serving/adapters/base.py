@@ -101,6 +101,9 @@ BOOL = "bool"  # True -> bare flag; False/None -> omitted
 INT = "int"
 FLOAT = "float"
 STR = "str"
+# A chat template given inline, or a template's name; never a file: the backend would read any
+# file of the node it names (engines take a path there, and fall back to the text).
+TEMPLATE = "template"
 
 
 class BackendAdapter:
@@ -198,6 +201,9 @@ class BackendAdapter:
             return number
         if text.lstrip().startswith("-"):
             raise InvalidExtraArgs(f"the value of {flag} may not start with '-' (it would read as another flag)")
+        if kind == TEMPLATE and ("{{" not in text and "{%" not in text) and (
+                "/" in text or "\\" in text or text.startswith((".", "~"))):
+            raise InvalidExtraArgs(f"{flag} takes a template inline or a template's name, not a file path")
         if kind.startswith("choice:"):
             choices = kind.split(":", 1)[1].split("|")
             if text not in choices:

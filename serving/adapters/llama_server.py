@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from django.conf import settings
 
-from serving.adapters.base import BOOL, FLOAT, INT, STR, BackendAdapter, LaunchSpec, parse_version
+from serving.adapters.base import BOOL, FLOAT, INT, STR, TEMPLATE, BackendAdapter, LaunchSpec, parse_version
 
 # From build b6325 (2025-08) `--flash-attn` takes on|off|auto; before it was a bare switch.
 FLASH_ATTN_VALUE_SINCE = (6325,)
@@ -25,7 +25,7 @@ COMMON_FLAGS = {
     "--rope-freq-base": FLOAT,
     "--rope-freq-scale": FLOAT,
     "--seed": INT,
-    "--chat-template": STR,
+    "--chat-template": TEMPLATE,
     "--jinja": BOOL,
     "--split-mode": "choice:none|layer|row",
     "--tensor-split": STR,

@@ -10,6 +10,7 @@ from serving.adapters.base import (
     FLOAT,
     INT,
     STR,
+    TEMPLATE,
     BackendAdapter,
     InvalidExtraArgs,
     LaunchSpec,
@@ -35,7 +36,7 @@ COMMON_FLAGS = {
     "--enable-prefix-caching": BOOL,
     "--enable-chunked-prefill": BOOL,
     "--pipeline-parallel-size": INT,
-    "--chat-template": STR,
+    "--chat-template": TEMPLATE,
     "--tokenizer-mode": STR,
     "--revision": STR,
 }

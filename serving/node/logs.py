@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
@@ -19,6 +20,8 @@ TAIL_LINES = 50
 TAIL_FLUSH_S = 0.5
 TAIL_POLL_S = 0.1
 MAX_LINE = 2000
+MAX_PARTIAL = 64 * 1024  # a "line" longer than this without a newline is cut (never held without limit)
+ROTATE_KEEP = 256 * 1024  # what a rotated log keeps of its end (at most a quarter of the limit)
 
 
 def instance_log_dir(instance_id: int) -> Path:
@@ -68,6 +71,17 @@ class LogTailer:
     def last_lines(self, n: int = 12) -> str:
         return "\n".join(list(self.tail)[-n:])
 
+    def _rotate(self, fh, size: int) -> None:
+        """Keep a log under XGEN_BACKEND_LOG_MAX_MB: its last ROTATE_KEEP bytes stay, behind a line
+        that says how much went. The backend appends (O_APPEND), so it writes on at the new end."""
+        fh.seek(max(0, size - min(ROTATE_KEEP, settings.BACKEND_LOG_MAX_BYTES // 4)))
+        kept = fh.read()
+        os.truncate(self.path, 0)
+        marker = f"[xgen: log rotated at {size} bytes; the first {size - len(kept)} bytes were dropped]\n"
+        with open(self.path, "ab") as out:
+            out.write(marker.encode() + kept)
+        fh.seek(len(marker.encode()) + len(kept))  # all of that was read already
+
     async def _follow(self, *, from_start: bool) -> None:
         last_flush, dirty = 0.0, False
         try:
@@ -77,10 +91,14 @@ class LogTailer:
                     for line in fh.read().decode(errors="replace").splitlines()[-TAIL_LINES:]:
                         self.tail.append(line[:MAX_LINE])
                 partial = b""
+                limit = settings.BACKEND_LOG_MAX_BYTES
                 while True:
                     chunk = fh.read(65536)
                     if chunk:
                         *lines, partial = (partial + chunk).split(b"\n")
+                        if len(partial) > MAX_PARTIAL:
+                            lines.append(partial)
+                            partial = b""
                         texts = [ln.decode(errors="replace").rstrip("\r")[:MAX_LINE] for ln in lines]
                         for text in texts:
                             self.tail.append(text)
@@ -97,6 +115,8 @@ class LogTailer:
                             log.warning("saving the log tail of %s failed", self.path, exc_info=True)
                         last_flush, dirty = time.monotonic(), False
                     if not chunk:
+                        if fh.tell() >= limit:
+                            self._rotate(fh, fh.tell())
                         await asyncio.sleep(TAIL_POLL_S)
         except asyncio.CancelledError:
             if dirty and self.on_flush is not None:

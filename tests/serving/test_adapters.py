@@ -184,3 +184,20 @@ def test_the_environment_is_an_allowlist_of_the_agents(settings):
                    "LD_LIBRARY_PATH": "/opt/rocm/lib", "HF_HOME": "/data/hf", "CUDA_CACHE_PATH": "/c",
                    "HSA_OVERRIDE_GFX_VERSION": "11.0.0", "VLLM_ATTENTION_BACKEND": "FLASH_ATTN",
                    "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": "1"}
+
+
+@pytest.mark.parametrize("backend", ["vllm", "llama-server"])
+@pytest.mark.parametrize("value", ["/etc/passwd", "../../data/secret_key", "~/x.jinja", "sub/dir.jinja"])
+def test_a_chat_template_may_not_name_a_file(backend, value):
+    from serving.adapters import InvalidExtraArgs, get_adapter
+
+    with pytest.raises(InvalidExtraArgs, match="not a file path"):
+        get_adapter(backend).normalize_extra_args({"--chat-template": value}, "")
+
+
+@pytest.mark.parametrize("backend", ["vllm", "llama-server"])
+@pytest.mark.parametrize("value", ["chatml", "{% for m in messages %}{{ m.content }}{% endfor %}"])
+def test_a_chat_template_inline_or_by_name_is_kept(backend, value):
+    from serving.adapters import get_adapter
+
+    assert get_adapter(backend).normalize_extra_args({"--chat-template": value}, "") == {"--chat-template": value}
