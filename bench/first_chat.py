@@ -75,6 +75,7 @@ def main() -> None:
         marks.append((time.monotonic() - start, what))
         print(f"{marks[-1][0] / 60:6.2f} min  {what}", flush=True)
 
+    load_before = os.getloadavg()
     proc = subprocess.Popen(["bash", "deploy/bootstrap.sh", "run"], cwd=clone, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -140,7 +141,8 @@ def main() -> None:
             shutil.rmtree(work, ignore_errors=True)
     total = marks[-1][0] if answer else float("nan")
     print(f"\nfresh clone -> first answered chat: {total / 60:.1f} min "
-          f"({'warm caches' if args.warm else 'no pip cache, empty XGEN_CACHE_DIR'}; {os.cpu_count()} CPUs)")
+          f"({'warm caches' if args.warm else 'no pip cache, empty XGEN_CACHE_DIR'}; {os.cpu_count()} CPUs; "
+          f"load average {load_before[0]:.1f} before, {os.getloadavg()[1]:.1f} over the last 5 min)")
     sys.exit(0 if answer else 1)
 
 

@@ -31,7 +31,9 @@ fi
 mkdir -p "$sdist_dir" "$cache/llama.cpp"
 if [ ! -f "$sdist" ]; then
   echo "llama.cpp $version: downloading the llama-cpp-python $version source package"
-  "$python" -m pip download -q --no-deps --no-binary :all: \
+  # --no-binary for this package only: its build requirements (scikit-build-core, for pip to read the
+  # metadata) come as wheels, not compiled from source.
+  "$python" -m pip download -q --no-deps --no-binary llama-cpp-python \
     "llama-cpp-python==$version" -d "$sdist_dir.part" 2>&1 | grep -v "is ignored" || true
   mv "$sdist_dir.part/llama_cpp_python-$version.tar.gz" "$sdist"
   rm -rf "$sdist_dir.part"
