@@ -61,7 +61,9 @@ def test_streaming_chat(served):
         stream=True,
     )
     chunks = list(stream)
-    assert len(chunks) >= 16
+    # One chunk per token, except that llama-server holds back the bytes of an unfinished UTF-8
+    # character (the tiny model's byte tokens) and sends them with the next token.
+    assert len(chunks) >= (16 if served.engine == "llama-cpp-python" else 8)
     assert all(c.object == "chat.completion.chunk" for c in chunks)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert chunks[-1].choices[0].finish_reason == "length"
