@@ -224,10 +224,18 @@ def overview(node) -> dict:
             "used_by": [{"id": u.id, "model_name": u.model_name, "state": u.state} for u in users.get(e.prefix, [])],
             "pending": list(CacheJob.objects.filter(node=node.name, prefix=e.prefix, status__in=(
                 CacheJobStatus.PENDING, CacheJobStatus.RUNNING)).values_list("action", flat=True)),
+            "last_job_error": _last_job_error(node.name, e.prefix),
         })
     return {"node": node.name, "used_bytes": disk.used_bytes if disk else 0, "free_bytes": disk.free_bytes if disk else 0,
             "total_bytes": disk.total_bytes if disk else 0, "max_bytes": disk.max_bytes if disk else 0,
             "measured_at": disk.updated_at if disk else None, "models": entries}
+
+
+def _last_job_error(node_name: str, prefix: str) -> str:
+    """Why the last evict/verify of this copy failed on the agent ('' when it did not)."""
+    last = CacheJob.objects.filter(node=node_name, prefix=prefix, finished_at__isnull=False).order_by(
+        "-finished_at", "-pk").first()
+    return f"{last.action} failed: {last.error}" if last and last.status == CacheJobStatus.FAILED else ""
 
 
 # --------------------------------------------------------------------------- jobs for the agent

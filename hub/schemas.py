@@ -94,6 +94,7 @@ class CachedModelOut(Schema):
     error: str
     used_by: list[CacheUserOut] = Field(description="instances of this node that use the copy (Evict is refused)")
     pending: list[str] = Field(description="evict/verify jobs waiting for the node's agent")
+    last_job_error: str = Field(description="why the last evict/verify failed on the agent, if it did")
 
 
 class NodeCacheOut(Schema):

@@ -20,7 +20,7 @@ MAX_PARALLEL_UPLOADS = 2
 _claim_next_job = db_async(services.claim_next_job, retry=False)
 _claim_next_upload = db_async(services.claim_next_upload, retry=False)
 _claim_next_cache_job = db_async(node_cache.claim_next_cache_job, retry=False)
-CACHE_REPORT_S = 30
+CACHE_REPORT_S = 10  # the node page's and /metrics' cache figures (a walk of the cache folder)
 
 
 class HubWorker:

@@ -74,3 +74,18 @@ def test_no_page_is_wider_than_the_window_or_misses_a_resource(served_console, p
         assert not missing, missing
     finally:
         context.close()
+
+
+def test_the_node_page_shows_the_cache_and_verify_runs_on_the_agent(served_console, page):
+    console, pk = served_console
+    login(page, console.url, console.admin_user, console.admin_password)
+    page.goto(f"{console.url}/nodes/test-node/")
+    row = page.locator("#node-cache tr[data-prefix='gguf/xgen-tiny-demo']")
+    row.wait_for()  # fetched by htmx from the hub's view
+    assert "a-rather-long-served-model-name-for-layout" in row.inner_text()  # the instance that uses it
+    assert row.get_by_role("button", name="Evict").is_disabled()
+    assert "not yet" in row.locator(".verify").inner_text()
+    row.get_by_role("button", name="Verify").click()
+    # The node's agent claims the job, hashes the files, and the polling card shows the outcome.
+    page.locator("#node-cache tr[data-prefix='gguf/xgen-tiny-demo'] .verify", has_text="yes").wait_for(timeout=30_000)
+    assert "free of" in page.locator("#node-cache .cache-disk").inner_text()

@@ -122,6 +122,8 @@ def test_evict_is_refused_while_an_instance_uses_the_model(store, node, users, t
     users["gguf/e"] = [node_cache.CacheUser(id=4, model_name="e2", state="LOADING")]
     [job] = _agent_runs_jobs(store)
     assert job.status == "FAILED" and "#4 e2" in job.error and local.is_dir()
+    model = client.get(f"/api/hardware/nodes/{NODE}/cache", **bearer(viewer.key)).json()["models"][0]
+    assert model["last_job_error"].startswith("evict failed:") and "#4 e2" in model["last_job_error"]
 
     users.clear()
     _post(client, url, {"prefix": "gguf/e"}, operator.key)

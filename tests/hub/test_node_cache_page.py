@@ -57,3 +57,10 @@ def test_an_operator_queues_evict_and_verify_and_is_told_why_not(cached, operato
     r = c.post("/nodes/page-node/cache/evict/", {"prefix": "gguf/free"})
     assert r.status_code == 302 and r["Location"] == "/nodes/page-node/"
     assert sorted(CacheJob.objects.values_list("action", flat=True)) == ["evict", "verify"]
+
+
+def test_the_card_says_why_the_agent_refused(cached, viewer):
+    CacheJob.objects.create(node="page-node", prefix="gguf/busy", action="evict", status="FAILED",
+                            error="gguf/busy is used by #9 busy-chat: unload it first", finished_at=timezone.now())
+    html = _client(viewer).get("/nodes/page-node/cache/", **HTMX).content.decode()
+    assert "evict failed: gguf/busy is used by #9 busy-chat" in html
