@@ -71,3 +71,11 @@ def test_every_query_names_an_exported_metric_and_every_fleet_family_is_drawn():
         used |= names
     assert set(fleet_metrics.FAMILIES) <= used, set(fleet_metrics.FAMILIES) - used
     assert {"xgen_inference_requests_total", "xgen_inference_duration_seconds_bucket"} <= used
+
+
+def test_fleet_figures_are_not_multiplied_by_the_number_of_web_processes():
+    # Every web process exports the same database-backed series: a query takes their max first.
+    dash = json.loads(DASHBOARD.read_text())
+    for expr in (t["expr"] for p in dash["panels"] for t in p["targets"]):
+        for name in set(re.findall(r"\bxgen_[a-z0-9_]+", expr)) & set(fleet_metrics.FAMILIES):
+            assert re.search(r"max(?: by \([^)]*\))? ?\(" + name + r"\b", expr), f"{expr}: take max over targets"
