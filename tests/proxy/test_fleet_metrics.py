@@ -3,6 +3,8 @@ worker thread: GPUs (memory, utilization, temperature, holder), instances by sta
 caches, download and upload bytes. Parsed with prometheus_client's own parser."""
 from __future__ import annotations
 
+import shutil
+import subprocess
 import threading
 
 import pytest
@@ -105,3 +107,11 @@ async def test_a_database_outage_leaves_the_proxy_counters(fleet, admin, monkeyp
     status, text = await _scrape(admin.key)
     names = {f.name for f in text_string_to_metric_families(text)}
     assert status == 200 and "xgen_inference_rejected" in names and "xgen_instances" not in names
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Debian's prometheus package) not installed")
+async def test_promtool_accepts_the_exposition(fleet, admin):
+    status, text = await _scrape(admin.key)
+    assert status == 200
+    check = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
+    assert check.returncode == 0, check.stdout + check.stderr
