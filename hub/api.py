@@ -7,15 +7,18 @@ from ninja import Query, Router, Schema, Status
 
 from accounts.auth import admin_auth, operator_auth, require_role
 from accounts.errors import ApiError
-from hub import services
+from hub import node_cache, services
 from hub.events import publish_new_job, publish_new_upload
-from hub.models import DownloadJob, ModelArtifact, UploadJob
+from hub.models import CacheJob, DownloadJob, ModelArtifact, UploadJob
 from hub.paths import FORMAT_ROOTS, InvalidPrefix, validate_relative_path
 from hub.schemas import (
+    CacheActionIn,
+    CacheJobOut,
     DeletedOut,
     DownloadIn,
     DownloadJobOut,
     ModelPageOut,
+    NodeCacheOut,
     RefreshOut,
     UploadIn,
     UploadJobOut,
@@ -188,3 +191,58 @@ def cancel_download(request: HttpRequest, job_id: int):
     require_role(request, "operator")
     job = get_object_or_404(DownloadJob, pk=job_id)
     return _job_out(services.request_cancel(job=job))
+
+
+# --------------------------------------------------------------------------- node caches
+# Mounted at /api/hardware/nodes (the node's URL), owned by the hub (which owns caches).
+cache_router = Router()
+
+
+def _node_or_404(name: str):
+    from hardware.models import Node
+
+    node = Node.objects.filter(name=name).first()
+    if node is None:
+        raise ApiError(404, f"No node {name!r}.", code="not_found")
+    return node
+
+
+def _cache_job_out(job: CacheJob) -> dict:
+    return {"id": job.pk, "node": job.node, "prefix": job.prefix, "action": job.action, "status": job.status,
+            "result": job.result or {}, "error": job.error or None, "created_at": job.created_at,
+            "finished_at": job.finished_at}
+
+
+@cache_router.get("/{name}/cache", response=NodeCacheOut, summary="A node's cache: disk and cached models")
+def node_cache_view(request: HttpRequest, name: str):
+    return node_cache.overview(_node_or_404(name))
+
+
+def _cache_job(request: HttpRequest, name: str, body: CacheActionIn, action: str) -> CacheJob:
+    require_role(request, "operator")
+    node = _node_or_404(name)
+    try:
+        return node_cache.request_cache_job(node=node, prefix=body.prefix, action=action, user=request.user)
+    except InvalidPrefix as exc:
+        raise _bad_input(exc) from None
+    except LookupError as exc:
+        raise ApiError(404, str(exc), code="not_found") from None
+    except node_cache.CacheInUse as exc:
+        raise ApiError(409, str(exc), code="model_in_use") from None
+
+
+@cache_router.post("/{name}/cache/evict", response={202: CacheJobOut}, auth=operator_auth,
+                   summary="Evict a cached model from a node (operator+; refused while an instance uses it)")
+def node_cache_evict(request: HttpRequest, name: str, body: CacheActionIn):
+    return Status(202, _cache_job_out(_cache_job(request, name, body, "evict")))
+
+
+@cache_router.post("/{name}/cache/verify", response={202: CacheJobOut}, auth=operator_auth,
+                   summary="Re-check a cached model's sizes and hashes against the store manifest (operator+)")
+def node_cache_verify(request: HttpRequest, name: str, body: CacheActionIn):
+    return Status(202, _cache_job_out(_cache_job(request, name, body, "verify")))
+
+
+@cache_router.get("/{name}/cache/jobs/{job_id}", response=CacheJobOut, summary="One evict/verify job and its result")
+def node_cache_job(request: HttpRequest, name: str, job_id: int):
+    return _cache_job_out(get_object_or_404(CacheJob, pk=job_id, node=name))

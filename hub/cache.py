@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from django.conf import settings
@@ -80,9 +80,19 @@ class SyncStats:
     files_fetched: int = 0
     bytes_fetched: int = 0
     files_kept: int = 0
+    evicted: list[str] = field(default_factory=list)  # unused models removed to stay under XGEN_CACHE_MAX_GB
 
 
 last_sync_stats: dict[str, SyncStats] = {}
+
+RoomKeeper = Callable[..., list[str]]
+_room_keeper: RoomKeeper | None = None
+
+
+def set_room_keeper(keeper: RoomKeeper) -> None:
+    """hub.node_cache.make_room: `(need, node_name=, keep=)` evicts to stay under XGEN_CACHE_MAX_GB."""
+    global _room_keeper
+    _room_keeper = keeper
 
 
 def cache_dir_for(prefix: str) -> Path:
@@ -263,7 +273,10 @@ def _cache_entry(node_name: str, prefix: str, **fields) -> None:
     node = Node.objects.filter(name=node_name).first()
     if node is None:
         return
-    CacheEntry.objects.update_or_create(node=node, prefix=prefix, defaults={**fields, "updated_at": timezone.now()})
+    now = timezone.now()
+    if fields.get("state") == "READY":  # a sync that ends READY is a load using the copy (LRU order)
+        fields["last_used_at"] = now
+    CacheEntry.objects.update_or_create(node=node, prefix=prefix, defaults={**fields, "updated_at": now})
 
 
 def sync_to_cache(
@@ -335,6 +348,8 @@ def sync_to_cache(
             local = None
         fetch, keep = _plan(manifest, local_dir, local)
         try:
+            if _room_keeper is not None and fetch:
+                stats.evicted = run_db_sync(_room_keeper, sum(f.size for f in fetch), node_name=node_name, keep=prefix)
             _check_room(local_dir, prefix, sum(f.size for f in fetch))
         except CacheFull as exc:
             _safe_record(node_name, prefix, state="FAILED", bytes_done=0, bytes_total=total, error=str(exc))

@@ -50,10 +50,59 @@ class CacheEntry(models.Model):
     manifest = models.JSONField(default=dict, blank=True)
     error = models.TextField(blank=True)
     updated_at = models.DateTimeField(default=timezone.now)
+    last_used_at = models.DateTimeField(null=True, blank=True, help_text="last sync for a load (LRU eviction)")
+    verified_at = models.DateTimeField(null=True, blank=True, help_text="last Verify (sizes and hashes)")
+    verify_problems = models.JSONField(default=list, blank=True, help_text="what differed at the last Verify")
 
     class Meta:
         ordering = ["prefix"]
         constraints = [models.UniqueConstraint(fields=["node", "prefix"], name="uniq_cache_per_node_prefix")]
+
+    @property
+    def verified(self) -> bool:
+        """The last Verify found the copy equal to the store manifest."""
+        return self.verified_at is not None and not self.verify_problems
+
+
+class CacheDisk(models.Model):
+    """A node's cache disk, as its agent last measured it."""
+
+    node = models.OneToOneField("hardware.Node", on_delete=models.CASCADE, related_name="cache_disk")
+    used_bytes = models.BigIntegerField(default=0, help_text="bytes of cached models under MODELS_DIR")
+    free_bytes = models.BigIntegerField(default=0)
+    total_bytes = models.BigIntegerField(default=0)
+    max_bytes = models.BigIntegerField(default=0, help_text="XGEN_CACHE_MAX_GB of that agent; 0 = no limit")
+    updated_at = models.DateTimeField(default=timezone.now)
+
+
+class CacheAction(models.TextChoices):
+    EVICT = "evict"
+    VERIFY = "verify"
+
+
+class CacheJobStatus(models.TextChoices):
+    PENDING = "PENDING"
+    RUNNING = "RUNNING"
+    COMPLETED = "COMPLETED"
+    FAILED = "FAILED"
+
+
+class CacheJob(models.Model):
+    """Evict or verify a cached model: done by the agent of the node that holds the files."""
+
+    node = models.CharField(max_length=100)
+    prefix = models.CharField(max_length=512)
+    action = models.CharField(max_length=16, choices=CacheAction.choices)
+    status = models.CharField(max_length=16, choices=CacheJobStatus.choices, default=CacheJobStatus.PENDING)
+    result = models.JSONField(default=dict, blank=True)
+    error = models.TextField(blank=True)
+    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL)
+    created_at = models.DateTimeField(default=timezone.now)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at", "-pk"]
+        indexes = [models.Index(fields=["status", "node"], name="hub_cachejob_status_node")]
 
 
 class DownloadStatus(models.TextChoices):

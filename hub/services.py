@@ -20,7 +20,6 @@ from hub.layout import layout_problem
 from hub.models import (
     DOWNLOAD_ACTIVE,
     UPLOAD_ACTIVE,
-    CacheEntry,
     DownloadJob,
     DownloadStatus,
     ModelArtifact,
@@ -28,6 +27,7 @@ from hub.models import (
     UploadJob,
     UploadStatus,
 )
+from hub.node_cache import evict_everywhere
 from hub.paths import FORMAT_ROOTS, InvalidPrefix, name_from_repo_id, prefix_for, validate_prefix
 from hub.store import (
     LocalFile,
@@ -391,7 +391,9 @@ def delete_model(*, prefix: str, store: ModelStore | None = None) -> int:
     with prefix_locked(prefix, holder=process_holder("delete")):
         removed = store.delete_model(prefix)
         ModelArtifact.objects.filter(prefix=prefix).delete()
-        CacheEntry.objects.filter(prefix=prefix).delete()
+        # Node caches follow: copies no instance uses are evicted by their agents; a copy in use
+        # stays until its instance stops (a later Evict or XGEN_CACHE_MAX_GB removes it).
+        evict_everywhere(prefix)
     return removed
 
 

@@ -13,7 +13,7 @@ from django.views.decorators.http import require_http_methods, require_POST
 
 from accounts.auth import role_required
 from accounts.models import Role
-from hub import services
+from hub import node_cache, services
 from hub.events import publish_new_job, publish_new_upload
 from hub.models import CacheEntry, CacheState, DownloadJob, ModelArtifact, UploadJob
 from hub.paths import FORMAT_ROOTS, InvalidPrefix
@@ -175,3 +175,38 @@ def download_cancel(request: HttpRequest, pk: int) -> HttpResponse:
         return HttpResponse(status=204)
     messages.info(request, f"Cancel requested for {job.repo_id}.")
     return redirect("downloads")
+
+
+def _node_cache_card(request: HttpRequest, name: str, *, error: str = "") -> HttpResponse:
+    from hardware.models import Node
+
+    node = get_object_or_404(Node, name=name)
+    cache = node_cache.overview(node)
+    context = {"cache": cache, "node_name": node.name, "can_act": request.user.has_role(Role.OPERATOR),
+               "pending": any(m["pending"] for m in cache["models"]), "error": error}
+    return render(request, "hub/partials/_node_cache.html" if request.htmx else "hub/node_cache.html", context)
+
+
+@require_http_methods(["GET"])
+def node_cache_card(request: HttpRequest, name: str) -> HttpResponse:
+    """The node page's cache card (fetched by htmx; also a plain page without JS)."""
+    return _node_cache_card(request, name)
+
+
+@role_required(Role.OPERATOR)
+@require_POST
+def node_cache_action(request: HttpRequest, name: str, action: str) -> HttpResponse:
+    """Queue an Evict or a Verify for the node's agent; the card polls until it is done."""
+    from hardware.models import Node
+
+    node = get_object_or_404(Node, name=name)
+    error = ""
+    try:
+        node_cache.request_cache_job(node=node, prefix=request.POST.get("prefix", ""), action=action,
+                                     user=request.user)
+    except (InvalidPrefix, LookupError, node_cache.CacheInUse) as exc:
+        error = str(exc)
+    if not request.htmx:
+        (messages.error if error else messages.success)(request, error or f"{action.title()} queued for the agent of {name}.")
+        return redirect("node-detail", name=name)
+    return _node_cache_card(request, name, error=error)  # 200 either way: htmx swaps the card and its message

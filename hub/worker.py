@@ -4,7 +4,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from hub import services
+from hub import node_cache, services
 from hub.downloads import run_download_job
 from hub.uploads import run_upload_job
 from live.db import db_async, run_db
@@ -19,6 +19,8 @@ MAX_PARALLEL_UPLOADS = 2
 # Not retried on a lost connection: had the first claim committed, a second would take a second job.
 _claim_next_job = db_async(services.claim_next_job, retry=False)
 _claim_next_upload = db_async(services.claim_next_upload, retry=False)
+_claim_next_cache_job = db_async(node_cache.claim_next_cache_job, retry=False)
+CACHE_REPORT_S = 10  # the node page's and /metrics' cache figures (a walk of the cache folder)
 
 
 class HubWorker:
@@ -50,7 +52,22 @@ class HubWorker:
     async def run(self, agent) -> None:
         loop = asyncio.get_running_loop()
         next_refresh = loop.time()  # the first pass indexes the store at once
+        next_report = loop.time()
         while True:
+            # Evict and Verify run one at a time, each in a worker thread (files and hashes, no loop time).
+            while (cache_job := await _claim_next_cache_job(node_name=agent.name)) is not None:
+                log.info("cache %s %s on %s", cache_job.action, cache_job.prefix, agent.name)
+                try:
+                    await run_db(node_cache.run_cache_job, cache_job.pk)
+                except Exception:
+                    log.exception("cache job %s failed", cache_job.pk)
+                next_report = loop.time() + CACHE_REPORT_S  # run_cache_job measured the disk
+            if loop.time() >= next_report:
+                next_report = loop.time() + CACHE_REPORT_S
+                try:
+                    await run_db(node_cache.report_disk, node_name=agent.name)
+                except Exception:
+                    log.warning("could not measure the cache of %s", agent.name, exc_info=True)
             while len(self._jobs) < MAX_PARALLEL_DOWNLOADS:
                 job = await _claim_next_job(node_name=agent.name)
                 if job is None:

@@ -62,6 +62,7 @@ MINIO_BUCKET = env_str("MINIO_BUCKET", "xgen-models")
 MINIO_SECURE = env_bool("MINIO_SECURE", False)
 STORE_TIMEOUT_S = env_int("XGEN_STORE_TIMEOUT", 120, minimum=1, maximum=3600)
 CACHE_SYNC_WORKERS = env_int("XGEN_CACHE_SYNC_WORKERS", 8, minimum=1, maximum=64)
+CACHE_MAX_BYTES = env_int("XGEN_CACHE_MAX_GB", 0, minimum=0) * 2**30  # 0: no limit but the disk
 DEMO_MODEL = env_bool("XGEN_DEMO_MODEL", True)
 
 # Builds and downloads kept outside the repository, shared by every checkout on this machine:

@@ -21,7 +21,8 @@ from django.conf import settings
 
 from accounts.credentials import authenticate
 from accounts.errors import ErrorAnswer, error_body
-from live.db import DatabaseUnavailable
+from live.db import DatabaseUnavailable, run_db
+from serving.fleet_metrics import render_fleet
 from serving.proxy import metrics
 from serving.proxy.errors import ProxyError
 from serving.proxy.replicas import Backend, routing_table
@@ -226,6 +227,10 @@ async def _handle(scope, receive, send, headers: dict[bytes, bytes], request_id:
             raise ProxyError(405, "Use GET.", code="method_not_allowed", headers=[(b"allow", b"GET")])
         await authenticate(headers, method=method, scheme=scope.get("scheme", "http"))
         body, content_type = metrics.render_metrics()
+        try:  # the dashboard's DB-backed families, rendered in a worker thread, never on the loop
+            body += await run_db(render_fleet)
+        except DatabaseUnavailable:
+            log.warning("/metrics: the database is unreachable; only this process's counters are exported")
         await _send_json(send, 200, body, content_type=content_type.encode())
         return
     if path.startswith("/metrics"):
