@@ -27,6 +27,7 @@ INT_LIMIT = 2**32
 # password). XGEN_BACKEND_ENV names more variables to pass.
 ENV_NAMES = frozenset({
     "PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TZ", "TMPDIR", "LD_LIBRARY_PATH", "PYTHONPATH",
+    "LLAMA_CPP_LIB_PATH",  # the one-compile install: llama-cpp-python loads the cached libllama from there
     "HF_HOME", "HF_HUB_CACHE", "XDG_CACHE_HOME",
 })
 ENV_PREFIXES = ("LC_", "CUDA_", "NVIDIA_", "NCCL_", "ROCR_", "ROCM_", "HIP_", "HSA_", "VK_", "GGML_", "OMP_")

@@ -99,6 +99,12 @@ async def test_a_backend_sees_an_allowlisted_environment(agent, tiny_gguf, monke
         monkeypatch.setenv(name, value)
     monkeypatch.setenv("LC_ALL", "C.UTF-8")
     monkeypatch.setenv("XGEN_PASS_ME", "passed")
+    # Where the one-compile install keeps libllama (or the binding's own library folder): the
+    # backend must be told, or llama-cpp-python cannot start.
+    import llama_cpp
+
+    lib_dir = os.environ.get("LLAMA_CPP_LIB_PATH") or str(Path(llama_cpp.__file__).parent / "lib")
+    monkeypatch.setenv("LLAMA_CPP_LIB_PATH", lib_dir)
     serving_settings.BACKEND_ENV_PASS = ["XGEN_PASS_ME"]
     inst = await sync_to_async(_load)(tiny_gguf, "tiny-env")
     inst = await wait_state(inst.pk, {InstanceState.READY, InstanceState.ERROR})
@@ -109,6 +115,7 @@ async def test_a_backend_sees_an_allowlisted_environment(agent, tiny_gguf, monke
     assert not set(markers) & set(env)
     assert env["PATH"] == os.environ["PATH"] and env["LC_ALL"] == "C.UTF-8" and env["XGEN_PASS_ME"] == "passed"
     assert env["HF_HUB_OFFLINE"] == "1" and env["TRANSFORMERS_OFFLINE"] == "1"
+    assert env["LLAMA_CPP_LIB_PATH"] == lib_dir
     assert not [k for k in env if k.startswith(("DJANGO", "XGEN_")) and k != "XGEN_PASS_ME"], env
 
 
