@@ -251,3 +251,22 @@ def test_tool_use_round_trip_on_the_translated_path(api):
     assert [c.type for c in final.content] == ["text", "tool_use"]
     assert final.content[0].text == "Let me check." and final.content[1].input == {"city": "Paris"}
     assert final.stop_reason == "tool_use" and final.usage.output_tokens == 5
+
+
+# ---------------------------------------------------------------- the auth matrix of the proxy's routes
+def test_every_proxy_route_needs_a_key(api):
+    from tests.security.routes import PROXY_ROUTES
+
+    console, _ = api
+    for method, path, role in PROXY_ROUTES:
+        assert role == "viewer"  # inference is open to every role (api.md)
+        for label, headers in (("anonymous", {}), ("bad key", {"authorization": "Bearer xgen_bogus"}),
+                               ("bad x-api-key", {"x-api-key": "xgen_bogus"})):
+            r = httpx.request(method, console.url + path, headers=headers, json={"model": "lcp-chat"}, timeout=30)
+            assert r.status_code == 401, (method, path, label, r.status_code)
+            body = r.json()
+            assert (body["error"]["type"] == "authentication_error" if "/v1/messages" in path
+                    else set(body["error"]) == {"message", "type", "code"}), (path, body)
+        for headers in ({"authorization": f"Bearer {console.key}"}, {"x-api-key": console.key}):
+            r = httpx.request(method, console.url + path, headers=headers, json={"model": "lcp-chat"}, timeout=60)
+            assert r.status_code not in (401, 403) and r.status_code < 500, (method, path, r.status_code, r.text[:300])
