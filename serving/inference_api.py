@@ -32,6 +32,7 @@ class ModelEntry(Schema):
     type: str = Field(description="llm or embedding")
     backend: str
     node: str = Field(description="node of the first replica")
+    aliases: list[str] = Field(default_factory=list, description="more names that route to this model")
     replicas: int
     instances: list[dict]
 

@@ -107,6 +107,7 @@ def _model_entry(backends: list[Backend]) -> dict:
         "type": first.type,
         "backend": first.backend,
         "node": first.node,
+        "aliases": sorted({a for b in backends for a in b.aliases}),
         "replicas": len(backends),
         "instances": [{"id": b.instance_id, "node": b.node, "backend": b.backend, "in_flight": b.in_flight}
                       for b in backends],
@@ -126,7 +127,7 @@ async def list_models(*, kind: str | None = None) -> dict:
 async def get_model(name: str, *, kind: str | None = None) -> dict:
     """One READY model by served name; ProxyError 404 model_not_found otherwise."""
     snap = await routing_table.snapshot()
-    group = snap.by_name.get(name)
+    group = snap.by_name.get(snap.served_name(name))
     if not group or (kind is not None and group[0].type != kind):
         raise ProxyError(404, f"The model '{name}' does not exist or is not ready.", code="model_not_found")
     return _model_entry(group)
@@ -305,6 +306,22 @@ def request_payload(body: bytes, headers: dict[bytes, bytes]) -> dict:
     return parse_body(body)
 
 
+async def resolve_alias(payload: dict, body: bytes, *, multipart: bool = False) -> tuple[dict, bytes]:
+    """A `model` that is an alias stands for its served name: the JSON body is rewritten to name
+    it (backends such as vLLM check the name); a multipart body goes as it is."""
+    model = payload.get("model")
+    if not isinstance(model, str) or not model:
+        return payload, body
+    snap = await routing_table.snapshot()
+    name = snap.served_name(model)
+    if name == model:
+        return payload, body
+    if multipart:  # only the form's model field was read
+        return {"model": name}, body
+    payload = {**payload, "model": name}
+    return payload, json.dumps(payload).encode()
+
+
 def check_model_type(candidates: list[Backend], route: Route, payload: dict) -> None:
     """Type rules: chat, completions, responses and messages only to LLMs, embeddings only to
     embedding models; ProxyError 400 `model_type_mismatch` for a named model of another type."""
@@ -354,6 +371,8 @@ async def _handle(scope, receive, send, headers: dict[bytes, bytes], request_id:
     if body is None:
         return  # the client left while sending
     payload = request_payload(body, headers)
+    payload, body = await resolve_alias(payload, body,
+                                        multipart=headers.get(b"content-type", b"").lower().startswith(b"multipart/"))
     candidates = await candidates_for(payload, kind=route.kind)
     check_model_type(candidates, route, payload)
     upstream_path = route.upstream_path

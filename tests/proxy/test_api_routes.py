@@ -71,8 +71,8 @@ def api(proxy_console, backends):
     tools = ToolBackend()
     proxy_console.set_instances([
         {"name": "ls-chat", "port": native.port, "backend": "llama-server"},
-        {"name": "lcp-chat", "port": translated.port, "backend": "llama-cpp-python"},
-        {"name": "tool-bot", "port": tools.port, "backend": "llama-cpp-python"},
+        {"name": "lcp-chat", "port": translated.port, "backend": "llama-cpp-python", "aliases": ["lcp-alias"]},
+        {"name": "tool-bot", "port": tools.port, "backend": "llama-cpp-python", "aliases": ["tb-alias"]},
         {"name": "stub-embed", "port": tools.port, "backend": "llama-cpp-python", "type": "embedding"},
     ])
     proxy_console.wait_models({"ls-chat", "lcp-chat", "tool-bot", "stub-embed"})
@@ -251,6 +251,23 @@ def test_tool_use_round_trip_on_the_translated_path(api):
     assert [c.type for c in final.content] == ["text", "tool_use"]
     assert final.content[0].text == "Let me check." and final.content[1].input == {"city": "Paris"}
     assert final.stop_reason == "tool_use" and final.usage.output_tokens == 5
+
+
+# ---------------------------------------------------------------- 4. aliases
+def test_an_alias_routes_like_the_served_name(api):
+    console, tools = api
+    listing = httpx.get(console.url + "/v1/models", headers=console.auth).json()
+    entry = next(m for m in listing["data"] if m["id"] == "lcp-chat")
+    assert entry["aliases"] == ["lcp-alias"] and "lcp-alias" not in {m["id"] for m in listing["data"]}
+    assert httpx.get(console.url + "/v1/models/lcp-alias", headers=console.auth).json()["id"] == "lcp-chat"
+    r = _post(console, "/v1/chat/completions", json={"model": "lcp-alias", "max_tokens": 2,
+                                                      "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 200, r.text
+    r = _post(console, "/v1/chat/completions", json={"model": "tb-alias", "messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 200 and tools.seen[-1]["model"] == "tool-bot"  # the backend sees the served name
+    message = _anthropic(console).messages.create(model="lcp-alias", max_tokens=2,
+                                                  messages=[{"role": "user", "content": "hi"}])
+    assert message.usage.output_tokens == 2
 
 
 # ---------------------------------------------------------------- the auth matrix of the proxy's routes
