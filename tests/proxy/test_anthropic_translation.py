@@ -88,3 +88,27 @@ def test_error_shapes():
         "Not Found"
     assert anthropic.is_messages_path("/api/inference/v1/messages") and not anthropic.is_messages_path("/x/v1/messages")
     assert anthropic.with_api_key_auth({b"x-api-key": b"k"})[b"authorization"] == b"Bearer k"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_documented_operations_answer_through_the_proxy(client, viewer):
+    """Django reached directly (no ASGI proxy ahead of it): the Ninja operations answer as the proxy does."""
+    from asgiref.sync import async_to_sync
+
+    from tests.conftest import bearer
+
+    async def collect(content) -> bytes:
+        return b"".join([chunk async for chunk in content])
+
+    def body(response) -> dict:
+        return json.loads(async_to_sync(collect)(response.streaming_content))
+
+    r = client.post("/api/inference/v1/messages", {"model": "nope", "max_tokens": 1, "messages": []},
+                    content_type="application/json", **bearer(viewer.key))
+    assert r.status_code == 404
+    assert body(r) == {"type": "error", "error": {
+        "type": "not_found_error", "message": "The model 'nope' does not exist or is not loaded."}}
+    assert r["server-timing"].startswith("proxy;dur=")
+    r = client.post("/api/inference/tokenize", {"model": "nope"}, content_type="application/json",
+                    **bearer(viewer.key))
+    assert r.status_code == 404 and body(r)["error"]["code"] == "model_not_found"
