@@ -287,3 +287,16 @@ def test_every_proxy_route_needs_a_key(api):
         for headers in ({"authorization": f"Bearer {console.key}"}, {"x-api-key": console.key}):
             r = httpx.request(method, console.url + path, headers=headers, json={"model": "lcp-chat"}, timeout=60)
             assert r.status_code not in (401, 403) and r.status_code < 500, (method, path, r.status_code, r.text[:300])
+
+
+def test_langchain_openai_chat_against_the_console(api):
+    from langchain_openai import ChatOpenAI
+
+    console, _ = api
+    # (LangChain sends max_completion_tokens, which llama-cpp-python does not read: max_tokens as is.)
+    llm = ChatOpenAI(base_url=console.url + "/v1", api_key=console.key, model="lcp-chat", temperature=0,
+                     extra_body={"max_tokens": 4}, max_retries=0, timeout=60)
+    answer = llm.invoke("hello")
+    assert answer.content and answer.usage_metadata["output_tokens"] == 4
+    chunks = list(llm.stream("hello"))
+    assert "".join(c.content for c in chunks)
