@@ -12,6 +12,7 @@ import httpx
 import openai
 import pytest
 
+from tests.procs import stop_process
 from tests.proxy.conftest import AiohttpBackend
 
 TIMING_RE = re.compile(r"^proxy;dur=(\d+\.\d), upstream;dur=(\d+\.\d)$")
@@ -64,8 +65,9 @@ class ToolBackend(AiohttpBackend):
         app.router.add_post("/v1/chat/completions", chat)
 
 
-@pytest.fixture(scope="module")
-def api(proxy_console, backends):
+@pytest.fixture(scope="module", params=["daphne", "uvicorn"])
+def api(request, backends):
+    proxy_console = request.getfixturevalue("proxy_console" if request.param == "daphne" else "proxy_console_uvicorn")
     native = backends.start("ls-chat", engine="llama-server")
     translated = backends.start("lcp-chat", engine="llama-cpp-python")
     tools = ToolBackend()
@@ -78,6 +80,8 @@ def api(proxy_console, backends):
     proxy_console.wait_models({"ls-chat", "lcp-chat", "tool-bot", "stub-embed"})
     yield proxy_console, tools
     tools.stop()
+    for server in (native, translated):
+        stop_process(server.proc)
 
 
 def _post(console, path: str, **kwargs) -> httpx.Response:
