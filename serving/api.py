@@ -50,7 +50,7 @@ def load(request: HttpRequest, body: LoadIn):
         inst = request_load(
             model_path=body.model_path, model_name=body.model_name, server_type=body.server_type,
             backend=body.backend, node=body.node, gpus=body.gpus, tensor_parallel_size=body.tensor_parallel_size,
-            extra_args=body.extra_args, autostart=body.autostart, user=user,
+            extra_args=body.extra_args, autostart=body.autostart, user=user, aliases=body.aliases,
         )
     except LoadRefused as exc:
         raise _refused(exc) from None

@@ -84,6 +84,7 @@ class IllegalTransition(Exception):
 
 class ModelInstance(models.Model):
     model_name = models.CharField(max_length=255, help_text="served name clients put in `model`")
+    aliases = models.JSONField(default=list, blank=True, help_text="more names that route like model_name")
     replica = models.PositiveSmallIntegerField(
         default=0, help_text="replicas of one served name are numbered; a load makes replica 0")
     model_path = models.CharField(max_length=1024, help_text="store prefix or absolute path on the node")

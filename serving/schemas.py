@@ -16,6 +16,7 @@ class LoadIn(Schema):
     tensor_parallel_size: int | None = Field(None, ge=1, le=64)
     extra_args: dict[str, str | int | float | bool | None] | None = Field(None, max_length=64)
     autostart: bool = False
+    aliases: list[str] | None = Field(None, max_length=16, description="more names that route like model_name")
 
 
 class LoadOut(Schema):

@@ -7,6 +7,7 @@ of the instance's node. State changes themselves are ModelInstance's `mark_*` me
 from __future__ import annotations
 
 import logging
+import re
 
 from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
@@ -50,21 +51,54 @@ def _duplicate(model_name: str, *, exclude: int | None = None) -> LoadRefused | 
                             f"{other.state}); unload it or pick another model_name", code="duplicate_model_name")
 
 
+ALIAS_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+\-]{0,127}")
+
+
+def check_aliases(aliases: list[str] | None, model_name: str) -> list[str]:
+    """The load's aliases, checked (names a client can put in `model`) and without repeats."""
+    out: list[str] = []
+    for alias in aliases or []:
+        if not isinstance(alias, str) or not ALIAS_RE.fullmatch(alias):
+            raise LoadRefused(400, f"alias {str(alias)[:80]!r} is not a model name (letters, digits, ._:/@+-; "
+                                   "at most 128)", code="invalid_request")
+        if alias != model_name and alias not in out:
+            out.append(alias)
+    return out
+
+
+def _name_taken(names: list[str], *, exclude: int | None = None) -> LoadRefused | None:
+    """The refusal for a served name or alias another instance holds as its name or an alias."""
+    wanted = set(names)
+    holders = ModelInstance.objects.filter(name_holders()).exclude(pk=exclude).values_list("pk", "model_name",
+                                                                                           "aliases", "state")
+    for pk, name, aliases, state in holders:
+        taken = wanted & {name, *(aliases or [])}
+        if taken:
+            return LoadRefused(409, f"{sorted(taken)[0]!r} is already a name or alias of instance {pk} ({state}); "
+                                    "unload it or pick another name", code="duplicate_model_name")
+    return None
+
+
 def request_load(*, model_path: str, model_name: str | None = None, server_type: str = "llm",
                  backend: str | None = None, node: str | None = None, gpus: list[int] | None = None,
                  tensor_parallel_size: int | None = None, extra_args: dict | None = None,
-                 autostart: bool = False, user=None) -> ModelInstance:
+                 autostart: bool = False, user=None, aliases: list[str] | None = None) -> ModelInstance:
     """Plan and record a load (desired RUNNING, state PENDING, its LaunchPlan), then nudge the node's agent."""
     plan = plan_load(model_path=model_path, model_name=model_name, server_type=server_type, backend=backend,
                      node=node, gpus=gpus, tensor_parallel_size=tensor_parallel_size, extra_args=extra_args)
     clash = _duplicate(plan.model_name)
     if clash is not None:
         raise clash
+    aliases = check_aliases(aliases, plan.model_name)
+    clash = _name_taken([plan.model_name, *aliases])
+    if clash is not None:
+        raise clash
     launch = plan.launch
     try:
         inst = ModelInstance.create_requested(
             message=f"load requested: {launch.reason}; {launch.fit}",
-            model_name=plan.model_name, model_path=plan.source.model_path, artifact=plan.source.artifact,
+            model_name=plan.model_name, aliases=aliases, model_path=plan.source.model_path,
+            artifact=plan.source.artifact,
             type=launch.server_type, backend=launch.backend, backend_reason=f"{launch.reason} ({plan.placement})",
             node=plan.node, gpus=plan.gpus, tensor_parallel_size=launch.tensor_parallel_size,
             extra_args=plan.extra_args, plan=launch.to_json(), autostart=autostart,

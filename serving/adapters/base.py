@@ -107,6 +107,11 @@ STR = "str"
 TEMPLATE = "template"
 
 
+# Routes of the OpenAI-compatible surface that not every backend serves; a backend serves the
+# rest of /v1/ (chat, completions, embeddings, models) or answers its own 404.
+OPTIONAL_ROUTES = frozenset({"/v1/responses", "/v1/messages", "/v1/messages/count_tokens"})
+
+
 class BackendAdapter:
     """One inference server. Subclasses fill in the class attributes and `build_command`."""
 
@@ -116,6 +121,12 @@ class BackendAdapter:
     health_path: ClassVar[str] = "/health"
     # Log lines that mean "probably up now": they only make the health poll happen sooner.
     ready_hints: ClassVar[tuple[str, ...]] = ("Uvicorn running on",)
+    # Which of OPTIONAL_ROUTES the server answers itself (the proxy translates or refuses the others).
+    native_routes: ClassVar[frozenset[str]] = frozenset()
+
+    def serves(self, path: str, version: str = "") -> bool:
+        """Whether the backend answers `path` itself (False only for an OPTIONAL_ROUTES path it lacks)."""
+        return path not in OPTIONAL_ROUTES or path in self.native_routes
 
     def load_timeout_s(self) -> int:
         raise NotImplementedError

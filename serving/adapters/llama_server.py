@@ -52,6 +52,8 @@ class LlamaServer(BackendAdapter):
     health_path = "/health"  # 503 while the model loads, 200 once it can answer
     # "llama_server: listening on http://..." (0.5), "server is listening on" / "HTTP server listening" (older).
     ready_hints = ("listening on http", "server is listening", "HTTP server listening")
+    # The OpenAI Responses API and Anthropic's Messages API (with count_tokens) are llama-server's own.
+    native_routes = frozenset({"/v1/responses", "/v1/messages", "/v1/messages/count_tokens"})
 
     def load_timeout_s(self) -> int:
         return settings.LOAD_TIMEOUT_LLAMA_S

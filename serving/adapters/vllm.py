@@ -19,6 +19,8 @@ from serving.adapters.base import (
 
 # vLLM's docs: through 0.10.0 embeddings use `--task embed`; from 0.10.1 `--runner pooling --convert embed`.
 POOLING_RUNNER_SINCE = (0, 10, 1)
+RESPONSES_SINCE = (0, 10, 0)
+MESSAGES_SINCE = (0, 12, 0)
 
 COMMON_FLAGS = {
     "--max-model-len": INT,
@@ -54,6 +56,17 @@ class VllmServer(BackendAdapter):
     formats = ("huggingface",)
     health_path = "/health"
     ready_hints = ("Uvicorn running on", "Application startup complete")
+    native_routes = frozenset({"/v1/responses", "/v1/messages", "/v1/messages/count_tokens"})
+
+    def serves(self, path: str, version: str = "") -> bool:
+        """/v1/responses since 0.10; Anthropic's /v1/messages in the OpenAI server only in recent
+        versions, so without a known version >= 0.12 the proxy translates it to chat completions."""
+        parsed = parse_version(version)
+        if path == "/v1/responses":
+            return not parsed or parsed >= RESPONSES_SINCE
+        if path.startswith("/v1/messages"):
+            return bool(parsed) and parsed >= MESSAGES_SINCE
+        return super().serves(path, version)
 
     def load_timeout_s(self) -> int:
         return settings.LOAD_TIMEOUT_VLLM_S

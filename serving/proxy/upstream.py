@@ -24,7 +24,7 @@ log = logging.getLogger("xgen.proxy")
 DROP_REQUEST_HEADERS = frozenset({
     b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"proxy-connection",
     b"te", b"trailer", b"trailers", b"transfer-encoding", b"upgrade", b"host", b"authorization",
-    b"cookie", b"content-length", b"x-csrftoken", b"x-request-id", b"expect",
+    b"cookie", b"content-length", b"x-csrftoken", b"x-request-id", b"expect", b"x-api-key",
 })
 DROP_RESPONSE_HEADERS = frozenset({
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection", "te",
@@ -226,9 +226,13 @@ def forward_headers(raw: list[tuple[bytes, bytes]], request_id: str) -> list[tup
 
 
 async def open_upstream(*, path: str, query: bytes, body: bytes, candidates: list[Backend],
-                        headers: list[tuple[bytes, bytes]], request_id: str) -> UpstreamReply:
-    """Send the request to the least busy replica (the next one if it refuses); return at headers."""
-    upstream_path = path[path.index("/v1/"):]
+                        headers: list[tuple[bytes, bytes]], request_id: str,
+                        upstream_path: str | None = None) -> UpstreamReply:
+    """Send the request to the least busy replica (the next one if it refuses); return at headers.
+
+    The backend's path is `upstream_path`, or by default the part of `path` from `/v1/` on."""
+    if upstream_path is None:
+        upstream_path = path[path.index("/v1/"):]
     suffix = "?" + query.decode("latin-1") if query else ""
     fwd = forward_headers(headers, request_id)
     session = client()

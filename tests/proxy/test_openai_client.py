@@ -2,8 +2,10 @@
 chat, streamed chat, completions and embeddings of each engine (llama-cpp-python, llama-server)."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
+import httpx
 import openai
 import pytest
 
@@ -27,6 +29,12 @@ def served(request, proxy_console, backends):
         {"name": "tiny-embed", "port": embed.port, "type": "embedding", "backend": engine},
     ])
     proxy_console.wait_models({"tiny-chat", "tiny-embed"})
+    # The previous engine's rows had the same names: wait until the table shows this engine's.
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(
+            m["backend"] != engine for m in httpx.get(f"{proxy_console.url}/v1/models",
+                                                      headers=proxy_console.auth).json()["data"]):
+        time.sleep(0.1)
     yield Served(console=proxy_console.console, key=proxy_console.key, engine=engine)
     for server in (chat, embed):  # the next engine's servers take over the names
         stop_process(server.proc)
