@@ -9,3 +9,20 @@ class AccountsConfig(AppConfig):
         from accounts import signals
 
         signals.connect()
+
+        from django.contrib.auth.signals import user_logged_out
+        from django.db.models.signals import post_save
+
+        from accounts.models import User
+        from live.publish import user_changed_sync
+
+        def signed_out(sender, user=None, **kwargs) -> None:
+            if user is not None:
+                user_changed_sync(user.pk)
+
+        def saved(sender, instance: User, created: bool, **kwargs) -> None:
+            if not created:  # deactivated, another role, a new password: open live pages check again
+                user_changed_sync(instance.pk)
+
+        user_logged_out.connect(signed_out, weak=False, dispatch_uid="xgen-live-signed-out")
+        post_save.connect(saved, sender=User, weak=False, dispatch_uid="xgen-live-user-saved")

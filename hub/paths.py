@@ -4,8 +4,9 @@ from __future__ import annotations
 import re
 from pathlib import Path, PurePosixPath
 
-FORMAT_ROOTS = ("gguf", "huggingface")
-MANIFEST_NAME = ".xgen-manifest.json"
+from hub.layout import FORMATS as FORMAT_ROOTS
+from hub.layout import MANIFEST_NAME  # noqa: F401 (re-exported: the store's manifest, named in hub.layout)
+
 MAX_PREFIX_LEN = 512
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 _NAME_OK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")

@@ -1,20 +1,45 @@
-"""Writes for the hub: the ModelArtifact index, uploads, deletes, and download jobs."""
+"""Writes for the hub: the ModelArtifact index, the per-model write lock, uploads (jobs and the
+CLI), deletes, and download jobs."""
 from __future__ import annotations
 
 import logging
 import os
 import re
-from collections.abc import Callable
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from django.conf import settings
-from django.db import transaction
+from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from hub.models import DOWNLOAD_ACTIVE, CacheEntry, DownloadJob, DownloadStatus, ModelArtifact, ModelFormat
+from hub.layout import layout_problem
+from hub.models import (
+    DOWNLOAD_ACTIVE,
+    UPLOAD_ACTIVE,
+    DownloadJob,
+    DownloadStatus,
+    ModelArtifact,
+    PrefixLock,
+    UploadJob,
+    UploadStatus,
+)
+from hub.node_cache import evict_everywhere
 from hub.paths import FORMAT_ROOTS, InvalidPrefix, name_from_repo_id, prefix_for, validate_prefix
-from hub.store import LocalFile, ModelStore, NotARegularFile, StoredModel, get_store, local_files
+from hub.store import (
+    LocalFile,
+    ModelExists,
+    ModelStore,
+    NotARegularFile,
+    StoredModel,
+    StoreError,
+    UploadCancelled,
+    get_store,
+    local_files,
+)
 
 log = logging.getLogger("xgen.hub")
 
@@ -26,6 +51,10 @@ MAX_PATTERNS = 50
 
 class HubInputError(ValueError):
     """Input that the API answers with 400 (message is shown to the user)."""
+
+
+class PrefixBusy(RuntimeError):
+    """Another writer (upload, download, CLI, delete) holds the model's lock: the API answers 409."""
 
 
 # --------------------------------------------------------------------------- the index
@@ -48,14 +77,18 @@ def _upsert_artifact(model: StoredModel, *, source_repo: str = "", source_revisi
 
 def refresh_index(*, store: ModelStore | None = None) -> int:
     """Make the ModelArtifact table match the store (one listing per format, bulk writes);
-    returns the model count. Source repo and revision, known only to the index, are kept."""
+    returns the model count. Source repo and revision, known only to the index, are kept. Rows of
+    prefixes a writer holds the lock of are the writer's to set (it re-indexes when it ends)."""
     store = store or get_store()
     models = store.scan_models()
     now = timezone.now()
-    existing = {a.prefix: a for a in ModelArtifact.objects.all()}
+    locked = set(PrefixLock.objects.values_list("prefix", flat=True))
+    existing = {a.prefix: a for a in ModelArtifact.objects.all() if a.prefix not in locked}
     fields = ("format", "name", "files", "size_bytes", "file_count", "complete", "indexed_at")
     new, changed = [], []
     for model in models:
+        if model.prefix in locked:
+            continue
         values = {"format": model.format, "name": model.prefix.split("/", 1)[1], "files": model.files,
                   "size_bytes": model.size_bytes, "file_count": model.file_count, "complete": model.complete,
                   "indexed_at": now}
@@ -90,6 +123,78 @@ def index_prefix(prefix: str, *, store: ModelStore | None = None, source_repo: s
         model.file_count += 1
     model.complete = store.exists(prefix)
     return _upsert_artifact(model, source_repo=source_repo, source_revision=source_revision)
+
+
+# --------------------------------------------------------------------------- one writer per model prefix
+def process_holder(kind: str) -> str:
+    """A lock holder for work done by this process itself (`manage.py hub_upload`, a delete)."""
+    return f"{kind}:{socket.gethostname()}:{os.getpid()}"
+
+
+def _holder_alive(holder: str) -> bool:
+    """Whether a lock's holder may still be writing (when in doubt: yes)."""
+    kind, _, rest = holder.partition(":")
+    if kind in ("upload", "download") and rest.isdigit():
+        model, active = (UploadJob, UPLOAD_ACTIVE) if kind == "upload" else (DownloadJob, DOWNLOAD_ACTIVE)
+        return model.objects.filter(pk=int(rest), status__in=active).exists()
+    host, _, pid = rest.rpartition(":")
+    if kind in ("cli", "delete") and pid.isdigit() and host == socket.gethostname():
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+    return True
+
+
+def describe_holder(holder: str) -> str:
+    kind, _, rest = holder.partition(":")
+    if kind in ("upload", "download") and rest.isdigit():
+        return f"{kind} job {rest}"
+    host, _, pid = rest.rpartition(":")
+    what = {"cli": "manage.py hub_upload", "delete": "a delete"}.get(kind, kind)
+    return f"{what} (pid {pid} on {host})" if pid else what
+
+
+def lock_prefix(prefix: str, *, holder: str) -> None:
+    """Take the write lock of a model prefix for `holder`, or raise PrefixBusy.
+
+    An INSERT on a unique column decides, so it holds across web processes, agents and hosts
+    (any database). A lock left by a holder that has ended (a job in a final state, a dead
+    `hub_upload` on this host) is taken over.
+    """
+    for _ in range(3):
+        try:
+            with transaction.atomic():
+                PrefixLock.objects.create(prefix=prefix, holder=holder)
+            return
+        except IntegrityError:
+            current = PrefixLock.objects.filter(prefix=prefix).values_list("holder", flat=True).first()
+            if current is None:  # released meanwhile
+                continue
+            if current == holder:
+                return
+            if _holder_alive(current):
+                raise PrefixBusy(f"{prefix} is being written by {describe_holder(current)}: wait until it has "
+                                 "finished, or cancel it.") from None
+            log.warning("taking over the write lock of %s from %s, which has ended", prefix, current)
+            PrefixLock.objects.filter(prefix=prefix, holder=current).delete()
+    raise PrefixBusy(f"{prefix} is being written by another writer: try again.")
+
+
+def unlock_prefix(prefix: str, *, holder: str) -> None:
+    PrefixLock.objects.filter(prefix=prefix, holder=holder).delete()
+
+
+@contextmanager
+def prefix_locked(prefix: str, *, holder: str) -> Iterator[None]:
+    """Hold a prefix's write lock for the block (PrefixBusy when another writer has it)."""
+    lock_prefix(prefix, holder=holder)
+    try:
+        yield
+    finally:
+        unlock_prefix(prefix, holder=holder)
 
 
 # --------------------------------------------------------------------------- local paths an upload may read
@@ -129,6 +234,20 @@ class ImportSource:
     files: list[LocalFile]
 
 
+def check_path_text(local_path: str) -> Path:
+    """The rules a local path's text must meet wherever it is read: absolute, a valid file name."""
+    if not local_path or "\x00" in local_path:
+        raise HubInputError("local_path is empty.")
+    try:
+        os.fsencode(local_path)
+    except UnicodeEncodeError:
+        raise HubInputError("local_path is not a valid file name on this server.") from None
+    path = Path(local_path)
+    if not path.is_absolute():
+        raise HubInputError(f"local_path must be an absolute path on the server, not {local_path!r}.")
+    return path
+
+
 def check_import_path(local_path: str, *, limit_to_import_dirs: bool = True) -> ImportSource:
     """Decide whether a local file or folder may be uploaded into the store; HubInputError if not.
 
@@ -143,15 +262,7 @@ def check_import_path(local_path: str, *, limit_to_import_dirs: bool = True) -> 
     - a folder must hold only regular files: a FIFO, socket or device refuses the whole upload.
     The files returned are what the store uploads; `open_local` checks each is still the same file.
     """
-    if not local_path or "\x00" in local_path:
-        raise HubInputError("local_path is empty.")
-    try:
-        os.fsencode(local_path)
-    except UnicodeEncodeError:
-        raise HubInputError("local_path is not a valid file name on this server.") from None
-    path = Path(local_path)
-    if not path.is_absolute():
-        raise HubInputError(f"local_path must be an absolute path on the server, not {local_path!r}.")
+    path = check_path_text(local_path)
     import_dirs = None
     if limit_to_import_dirs:
         import_dirs = [Path(os.path.realpath(d)) for d in settings.IMPORT_DIRS]
@@ -191,7 +302,49 @@ def check_import_path(local_path: str, *, limit_to_import_dirs: bool = True) -> 
     return ImportSource(path=path, real=real, is_dir=is_dir, files=files)
 
 
-# --------------------------------------------------------------------------- uploads and deletes
+# --------------------------------------------------------------------------- writing a model
+def after_failed_write(prefix: str, *, store: ModelStore) -> None:
+    """After a write that failed or was cancelled nothing may look loadable: what it left of a model
+    with no manifest is removed, and the index row follows the store. When the store cannot be
+    read (the usual reason for the failure) the row is marked incomplete."""
+    try:
+        if not store.exists(prefix):
+            store.delete_model(prefix)
+        index_prefix(prefix, store=store)
+    except Exception as exc:
+        log.warning("after the failed write of %s the store could not be re-read: %s", prefix, exc)
+        ModelArtifact.objects.filter(prefix=prefix).update(complete=False, indexed_at=timezone.now())
+
+
+def write_model(prefix: str, local: Path, *, store: ModelStore, files: list[LocalFile] | None = None,
+                source: dict | None = None, progress: Callable[[int, int], None] | None = None,
+                cancel: threading.Event | None = None, replace: bool = False, source_repo: str = "",
+                source_revision: str = "") -> ModelArtifact:
+    """Write a local model into the store as `prefix` and index it: the one way the console writes
+    a model (upload jobs, `manage.py hub_upload`, downloads). The caller holds the prefix's lock.
+
+    A complete model is overwritten only with `replace` (else ModelExists, nothing touched); its
+    index row says incomplete from before the old manifest goes until the new one is written.
+    Any failure re-indexes the prefix (`after_failed_write`), so the listing never calls a broken
+    model complete.
+    """
+    existing = store.exists(prefix)
+    if existing and not replace:
+        raise ModelExists(f"{prefix} is already a complete model in the store: upload it under another "
+                          "name, or ask to replace it.")
+    if existing:
+        ModelArtifact.objects.filter(prefix=prefix).update(complete=False, indexed_at=timezone.now())
+    try:
+        store.upload_model(prefix, local, files=files, source=source, progress=progress, cancel=cancel,
+                           replace=replace)
+    except ModelExists:
+        raise  # refused before anything was written
+    except BaseException:
+        after_failed_write(prefix, store=store)
+        raise
+    return index_prefix(prefix, store=store, source_repo=source_repo, source_revision=source_revision)
+
+
 def validate_upload(*, local_path: str, format: str, name: str,
                     limit_to_import_dirs: bool = True) -> tuple[str, ImportSource]:
     """Check an upload request before any transfer; returns (prefix, the checked local source)."""
@@ -199,13 +352,9 @@ def validate_upload(*, local_path: str, format: str, name: str,
         raise HubInputError(f"Unknown format {format!r}: use gguf or huggingface.")
     prefix = prefix_for(format, name)  # InvalidPrefix for a traversal attempt in name
     source = check_import_path(local_path, limit_to_import_dirs=limit_to_import_dirs)
-    names = [f.rel.rsplit("/", 1)[-1] for f in source.files]
-    if format == ModelFormat.GGUF and not source.is_dir and source.path.suffix != ".gguf":
-        raise HubInputError(f"{local_path} is not a .gguf file.")
-    if format == ModelFormat.GGUF and source.is_dir and not any(n.endswith(".gguf") for n in names):
-        raise HubInputError(f"{local_path} holds no .gguf file.")
-    if format == ModelFormat.HUGGINGFACE and not (source.is_dir and "config.json" in names):
-        raise HubInputError(f"{local_path} is not a Hugging Face model folder (no config.json).")
+    problem = layout_problem(format, [f.rel for f in source.files], is_dir=source.is_dir, name=local_path)
+    if problem:
+        raise HubInputError(problem)
     return prefix, source
 
 
@@ -216,30 +365,167 @@ def upload_local_model(
     name: str,
     store: ModelStore | None = None,
     progress: Callable[[int, int], None] | None = None,
+    cancel: threading.Event | None = None,
     limit_to_import_dirs: bool = True,
+    replace: bool = False,
 ) -> ModelArtifact:
     """Upload a local file or folder (on this host) into the store as `<format>/<name>` and index it.
 
     Only what `check_import_path` allows; `limit_to_import_dirs=False` is for `manage.py hub_upload`.
+    The caller holds the prefix's lock (an upload job from its creation on; the CLI around this call).
     """
     prefix, source = validate_upload(local_path=local_path, format=format, name=name,
                                      limit_to_import_dirs=limit_to_import_dirs)
-    store = store or get_store()
-    store.upload_model(prefix, source.real if source.is_dir else source.path, files=source.files,
-                       source={"local_path": str(source.path)}, progress=progress)
-    return index_prefix(prefix, store=store)
+    return write_model(prefix, source.real if source.is_dir else source.path, store=store or get_store(),
+                       files=source.files, source={"local_path": str(source.path)}, progress=progress,
+                       cancel=cancel, replace=replace)
 
 
 def delete_model(*, prefix: str, store: ModelStore | None = None) -> int:
-    """Delete a model from the store (manifest first) and from the index; returns objects removed."""
+    """Delete a model from the store (manifest first) and from the index; returns objects removed.
+    PrefixBusy while another writer holds the model's lock."""
     prefix = validate_prefix(prefix)
     if prefix.count("/") != 1:
         raise InvalidPrefix(f"{prefix!r} is not a model prefix (format/name).")
     store = store or get_store()
-    removed = store.delete_model(prefix)
-    ModelArtifact.objects.filter(prefix=prefix).delete()
-    CacheEntry.objects.filter(prefix=prefix).delete()
+    with prefix_locked(prefix, holder=process_holder("delete")):
+        removed = store.delete_model(prefix)
+        ModelArtifact.objects.filter(prefix=prefix).delete()
+        # Node caches follow: copies no instance uses are evicted by their agents; a copy in use
+        # stays until its instance stops (a later Evict or XGEN_CACHE_MAX_GB removes it).
+        evict_everywhere(prefix)
     return removed
+
+
+# --------------------------------------------------------------------------- upload jobs
+def upload_holder(job_id: int) -> str:
+    return f"upload:{job_id}"
+
+
+def create_upload_job(*, local_path: str, format: str, name: str, node: str | None = None, replace: bool = False,
+                      user=None, store: ModelStore | None = None) -> UploadJob:
+    """Check an upload and queue it for the agent of the node the path is on; the job holds the
+    model's write lock from here to its end.
+
+    The node is `node`, or this process's own (settings.NODE_NAME: in `manage.py serve` the web
+    server and the one agent are the same node). For a path on this process's node every rule of
+    `check_import_path` runs now, so a refusal is a HubInputError before any job exists. For
+    another node (a cluster whose web processes run elsewhere) only the path's text can be checked
+    here; that node's agent runs the full check, on its own disk, before it reads a byte.
+    Raises HubInputError / InvalidPrefix (400), ModelExists or PrefixBusy (409), StoreError (502).
+    """
+    from hardware.models import Node
+
+    node_name = (node or "").strip() or settings.NODE_NAME
+    if format not in FORMAT_ROOTS:
+        raise HubInputError(f"Unknown format {format!r}: use gguf or huggingface.")
+    prefix = prefix_for(format, name)
+    bytes_total = 0
+    if node_name == settings.NODE_NAME:
+        prefix, source = validate_upload(local_path=local_path, format=format, name=name)
+        local_path, bytes_total = str(source.path), sum(f.size for f in source.files)
+    else:
+        if not Node.objects.filter(name=node_name).exists():
+            raise HubInputError(f"No node named {node_name!r}: name a node listed under GPUs, or leave it empty "
+                                f"for this server's ({settings.NODE_NAME}).")
+        local_path = str(check_path_text(local_path))
+    if not replace and (store or get_store()).exists(prefix):
+        raise ModelExists(f"{prefix} is already a complete model in the store: upload it under another name, "
+                          "or ask to replace it.")
+    with transaction.atomic():
+        job = UploadJob.objects.create(local_path=local_path, format=format, target_prefix=prefix, replace=replace,
+                                       node=node_name, bytes_total=bytes_total, created_by=user)
+        lock_prefix(prefix, holder=upload_holder(job.pk))
+    return job
+
+
+def claim_next_upload(*, node_name: str) -> UploadJob | None:
+    """Take this node's oldest PENDING upload; a conditional UPDATE makes sure only one agent gets it."""
+    pending = UploadJob.objects.filter(status=UploadStatus.PENDING, node=node_name).order_by("created_at", "pk")
+    for job_id in pending.values_list("pk", flat=True)[:5]:
+        if UploadJob.objects.filter(pk=job_id, status=UploadStatus.PENDING).update(
+                status=UploadStatus.UPLOADING, started_at=timezone.now()):
+            return UploadJob.objects.get(pk=job_id)
+    return None
+
+
+def update_upload(job_id: int, **fields) -> UploadJob:
+    """Write progress of an active upload (a finished one is never changed)."""
+    UploadJob.objects.filter(pk=job_id, status__in=UPLOAD_ACTIVE).update(**fields)
+    return UploadJob.objects.select_related("created_by").get(pk=job_id)
+
+
+def finish_upload(job_id: int, *, status: str, error: str = "") -> UploadJob:
+    """Move an active upload to COMPLETED, FAILED or CANCELLED and release the model's lock."""
+    job = UploadJob.objects.get(pk=job_id)
+    UploadJob.objects.filter(pk=job_id, status__in=UPLOAD_ACTIVE).update(
+        status=status, error=error[:4000], finished_at=timezone.now())
+    unlock_prefix(job.target_prefix, holder=upload_holder(job_id))
+    return UploadJob.objects.select_related("created_by").get(pk=job_id)
+
+
+def execute_upload(job_id: int, *, store: ModelStore | None = None,
+                   progress: Callable[[int, int], None] | None = None,
+                   cancel: threading.Event | None = None) -> UploadJob:
+    """Run a claimed upload (status UPLOADING) to its end, in this thread; returns the final job.
+
+    The node's own rules apply again here (`check_import_path` on this disk: the request may have
+    been checked on another host, and files change). Setting `cancel` stops it within a read: it
+    ends CANCELLED when a user asked (the job's cancel_requested), else FAILED (the agent stopped).
+    Every failure leaves nothing listed as complete (`write_model`).
+    """
+    job = UploadJob.objects.get(pk=job_id)
+    if job.status != UploadStatus.UPLOADING:
+        return job
+    store = store or get_store()
+    try:
+        artifact = upload_local_model(local_path=job.local_path, format=job.format,
+                                      name=job.target_prefix.split("/", 1)[1], store=store, progress=progress,
+                                      cancel=cancel, replace=job.replace)
+    except UploadCancelled:
+        if UploadJob.objects.filter(pk=job_id, cancel_requested=True).exists():
+            return finish_upload(job_id, status=UploadStatus.CANCELLED,
+                                 error="Cancelled by a user; nothing of it is listed as complete.")
+        return finish_upload(job_id, status=UploadStatus.FAILED,
+                             error="The node agent stopped during this upload; nothing of it is listed as complete.")
+    except (HubInputError, InvalidPrefix, ModelExists, NotARegularFile) as exc:  # the source's fault, or refused
+        return finish_upload(job_id, status=UploadStatus.FAILED, error=str(exc))
+    except StoreError as exc:
+        log.warning("upload %s of %s as %s failed: %s", job_id, job.local_path, job.target_prefix, exc)
+        return finish_upload(job_id, status=UploadStatus.FAILED, error=f"The model store failed: {exc}")
+    except Exception as exc:
+        log.exception("upload %s of %s as %s failed", job_id, job.local_path, job.target_prefix)
+        return finish_upload(job_id, status=UploadStatus.FAILED, error=str(exc) or exc.__class__.__name__)
+    UploadJob.objects.filter(pk=job_id).update(bytes_done=artifact.size_bytes, bytes_total=artifact.size_bytes)
+    return finish_upload(job_id, status=UploadStatus.COMPLETED)
+
+
+def request_upload_cancel(*, job: UploadJob) -> UploadJob:
+    """Ask an upload to stop. One no agent has claimed yet is cancelled (and its lock freed) at once;
+    a running one stops at its agent's next look (within a second), and nothing of it stays listed
+    as complete."""
+    if UploadJob.objects.filter(pk=job.pk, status=UploadStatus.PENDING).update(
+            status=UploadStatus.CANCELLED, cancel_requested=True, finished_at=timezone.now(),
+            error="Cancelled before it started."):
+        unlock_prefix(job.target_prefix, holder=upload_holder(job.pk))
+    else:
+        UploadJob.objects.filter(pk=job.pk, status__in=UPLOAD_ACTIVE).update(cancel_requested=True)
+    return UploadJob.objects.select_related("created_by").get(pk=job.pk)
+
+
+def fail_orphaned_uploads(*, node_name: str, store: ModelStore | None = None) -> int:
+    """Uploads this node's agent was running when it stopped can't be resumed: FAILED with the
+    reason, their locks freed, and their prefixes re-indexed (nothing half-written listed complete)."""
+    orphans = list(UploadJob.objects.filter(node=node_name, status=UploadStatus.UPLOADING))
+    for job in orphans:
+        finish_upload(job.pk, status=UploadStatus.FAILED,
+                      error="The node agent restarted while this upload ran; nothing of it is listed as complete. "
+                            "Upload it again.")
+        try:
+            after_failed_write(job.target_prefix, store=store or get_store())
+        except Exception:
+            log.warning("could not re-index %s after its orphaned upload", job.target_prefix, exc_info=True)
+    return len(orphans)
 
 
 # --------------------------------------------------------------------------- download jobs
@@ -265,12 +551,20 @@ def validate_download(*, repo_id: str, revision: str | None, format: str,
 
 def create_download_job(*, repo_id: str, revision: str | None = None, format: str,
                         allow_patterns: list[str] | None = None, user=None) -> DownloadJob:
-    """Queue a Hugging Face download; a hub agent worker claims it."""
+    """Queue a Hugging Face download; a hub agent worker claims it. The job holds its target's
+    write lock until it ends (PrefixBusy while another upload or download writes that model)."""
     repo_id, revision, format, patterns = validate_download(repo_id=repo_id, revision=revision, format=format,
                                                            allow_patterns=allow_patterns)
     target = prefix_for(format, name_from_repo_id(repo_id))
-    return DownloadJob.objects.create(repo_id=repo_id, revision=revision, format=format, allow_patterns=patterns,
-                                      target_prefix=target, created_by=user)
+    with transaction.atomic():
+        job = DownloadJob.objects.create(repo_id=repo_id, revision=revision, format=format, allow_patterns=patterns,
+                                         target_prefix=target, created_by=user)
+        lock_prefix(target, holder=download_holder(job.pk))  # PrefixBusy: another upload or download of it
+    return job
+
+
+def download_holder(job_id: int) -> str:
+    return f"download:{job_id}"
 
 
 def claim_next_job(*, node_name: str) -> DownloadJob | None:
@@ -289,6 +583,7 @@ def request_cancel(*, job: DownloadJob) -> DownloadJob:
     if DownloadJob.objects.filter(pk=job.pk, status=DownloadStatus.PENDING).update(
             status=DownloadStatus.CANCELLED, cancel_requested=True, finished_at=timezone.now(),
             error="Cancelled before it started."):
+        unlock_prefix(job.target_prefix, holder=download_holder(job.pk))
         return DownloadJob.objects.get(pk=job.pk)
     DownloadJob.objects.filter(pk=job.pk, status__in=DOWNLOAD_ACTIVE).update(cancel_requested=True)
     return DownloadJob.objects.get(pk=job.pk)
@@ -304,12 +599,19 @@ def finish_job(job_id: int, *, status: str, error: str = "") -> DownloadJob:
     """Move an active job to COMPLETED, FAILED or CANCELLED (only from an active state)."""
     DownloadJob.objects.filter(pk=job_id, status__in=DOWNLOAD_ACTIVE).update(
         status=status, error=error[:4000], finished_at=timezone.now())
-    return DownloadJob.objects.get(pk=job_id)
+    job = DownloadJob.objects.get(pk=job_id)
+    unlock_prefix(job.target_prefix, holder=download_holder(job_id))
+    return job
 
 
 def fail_orphaned_jobs(*, node_name: str) -> int:
-    """Jobs this node had claimed before it restarted can't be resumed: mark them FAILED."""
-    return DownloadJob.objects.filter(node=node_name, status__in=[DownloadStatus.DOWNLOADING,
-                                                                  DownloadStatus.UPLOADING]).update(
-        status=DownloadStatus.FAILED, error="The node agent restarted while this download ran.",
-        finished_at=timezone.now())
+    """Jobs this node had claimed before it restarted can't be resumed: mark them FAILED (and free
+    their locks)."""
+    orphans = DownloadJob.objects.filter(node=node_name, status__in=[DownloadStatus.DOWNLOADING,
+                                                                     DownloadStatus.UPLOADING])
+    held = list(orphans.values_list("pk", "target_prefix"))
+    count = orphans.update(status=DownloadStatus.FAILED, error="The node agent restarted while this download ran.",
+                           finished_at=timezone.now())
+    for job_id, prefix in held:
+        unlock_prefix(prefix, holder=download_holder(job_id))
+    return count

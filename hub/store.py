@@ -25,9 +25,9 @@ from typing import BinaryIO
 from django.conf import settings
 from django.utils import timezone
 
+from hub.layout import MANIFEST_NAME, TEMP_SUFFIXES, model_files
 from hub.paths import (
     FORMAT_ROOTS,
-    MANIFEST_NAME,
     InvalidPrefix,
     safe_join,
     validate_prefix,
@@ -39,9 +39,8 @@ log = logging.getLogger("xgen.hub.store")
 CHUNK = 1024 * 1024
 READ_CAP = 8 * 1024 * 1024
 MANIFEST_VERSION = 1
-# Paths a local model folder may hold that are never part of the model.
-SKIPPED_DIRS = {".cache", ".git", ".locks"}
-PART_SUFFIX = ".xgen-part"
+PART_SUFFIX = ".xgen-part"  # the filesystem store's file in the making (hub.layout never counts it)
+assert PART_SUFFIX in TEMP_SUFFIXES
 
 ByteProgress = Callable[[int], None]  # called with the number of new bytes
 
@@ -55,7 +54,20 @@ class ObjectMissing(StoreError):
 
 
 class NotARegularFile(StoreError):
-    """A local upload source that is a FIFO, socket or device (or became another file after its check)."""
+    """A local upload source that is a FIFO, socket or device (or became another file, or went
+    away, after its check)."""
+
+
+class UploadCancelled(StoreError):
+    """The upload was told to stop (its cancel event was set) and stopped within a read."""
+
+
+class ModelExists(RuntimeError):
+    """An upload would overwrite a complete model and was not asked to replace it (nothing written)."""
+
+
+class ConcurrentWrite(StoreError):
+    """Another writer changed the model's files while this upload ran: its manifest was not written."""
 
 
 @dataclass(frozen=True)
@@ -176,16 +188,11 @@ def local_files(root: Path) -> list[LocalFile]:
         except FileNotFoundError:
             return []
     out: list[LocalFile] = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in SKIPPED_DIRS)
-        for name in sorted(filenames):
-            if name == MANIFEST_NAME or name.endswith((PART_SUFFIX, ".part", ".lock", ".incomplete")):
-                continue
-            path = Path(dirpath) / name
-            try:
-                out.append(_local_file(path.relative_to(root).as_posix(), path))
-            except FileNotFoundError:  # a dangling symlink, or gone since the listing
-                continue
+    for rel, path in model_files(root):  # which files are the model: hub.layout
+        try:
+            out.append(_local_file(rel, path))
+        except FileNotFoundError:  # a dangling symlink, or gone since the listing
+            continue
     return out
 
 
@@ -195,7 +202,11 @@ def open_local(local: LocalFile | Path) -> BinaryIO:
     checked = local if isinstance(local, LocalFile) else None
     path = checked.real if checked else Path(local)
     flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (os.O_NOFOLLOW if checked else 0)
-    fd = os.open(path, flags)
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        raise NotARegularFile(f"{checked.path if checked else path} went away after it was checked; "
+                              "upload it again.") from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
@@ -223,7 +234,7 @@ class _HashingReader(io.RawIOBase):
 
     def read(self, size: int = -1) -> bytes:
         if self._cancel is not None and self._cancel.is_set():
-            raise StoreError("upload cancelled")
+            raise UploadCancelled("upload cancelled")
         # Capped so progress and cancel act within a part (the SDK would read 64 MiB at once).
         size = READ_CAP if size is None or size < 0 else min(size, READ_CAP)
         data = self._fh.read(size)
@@ -231,6 +242,11 @@ class _HashingReader(io.RawIOBase):
         if data and self._progress:
             self._progress(len(data))
         return data
+
+
+def _is_what_was_written(obj: StoreObject | None, entry: ManifestFile) -> bool:
+    """The object listed now is the one this upload put (same size and, where known, ETag)."""
+    return obj is not None and obj.size == entry.size and (not entry.etag or not obj.etag or obj.etag == entry.etag)
 
 
 class ModelStore(ABC):
@@ -320,20 +336,29 @@ class ModelStore(ABC):
         source: dict | None = None,
         progress: Callable[[int, int], None] | None = None,
         cancel: threading.Event | None = None,
+        replace: bool = False,
     ) -> Manifest:
         """Upload a local folder (or one file) as `prefix`; the manifest goes last.
 
         `files` is the walk of `local` already checked by `hub.services.check_import_path` (every
         upload a user asks for comes that way); without it `local` is walked here, for the
         console's own callers (the demo model, tests).
-        The old manifest is deleted first and stale objects removed before the new manifest is
-        written, so readers see either the old complete model, nothing loadable, or the new one.
+        A complete model is overwritten only with `replace=True` (else ModelExists, nothing
+        written). The old manifest is deleted first and stale objects removed before the new
+        manifest is written, so readers see either the old complete model, nothing loadable, or
+        the new one. The manifest lists only what this upload wrote: each file is checked in the
+        store (size and ETag) before anything stale is removed, and a file another writer removed
+        or replaced meanwhile fails the upload (ConcurrentWrite) with no manifest written. (One
+        writer per prefix is the job of the console's lock, `hub.services.lock_prefix`.)
         """
         prefix = validate_prefix(prefix)
         if files is None:
             files = local_files(Path(local))
         if not files:
             raise StoreError(f"{local} holds no files to upload.")
+        if not replace and self.exists(prefix):
+            raise ModelExists(f"{prefix} is already a complete model in the store; replace it explicitly "
+                              "or upload under another name.")
         total = sum(f.size for f in files)
         done = 0
         lock = threading.Lock()
@@ -350,8 +375,14 @@ class ModelStore(ABC):
         for f in files:
             obj, sha = self.put_file(f"{prefix}/{f.rel}", f, progress=on_bytes, cancel=cancel)
             entries.append(ManifestFile(path=f.rel, size=obj.size, etag=obj.etag, sha256=sha))
+        listed = {o.key: o for o in self.list_files(prefix)}
+        changed = [e.path for e in entries if not _is_what_was_written(listed.get(f"{prefix}/{e.path}"), e)]
+        if changed:
+            raise ConcurrentWrite(f"{prefix} was changed by another writer while this upload ran "
+                                  f"({', '.join(changed[:3])}{' ...' if len(changed) > 3 else ''} gone or replaced): "
+                                  "its manifest was not written; upload it again.")
         keep = {f"{prefix}/{e.path}" for e in entries}
-        stale = [o.key for o in self.list_files(prefix) if o.key not in keep]
+        stale = [key for key in listed if key not in keep]
         if stale:
             self.delete_keys(stale)
         manifest = Manifest(prefix=prefix, format=prefix.split("/", 1)[0], files=entries,
@@ -437,6 +468,8 @@ class MinioModelStore(ModelStore):
             try:
                 result = self.client.put_object(self.bucket, key, reader, length=size,
                                                 part_size=64 * 1024 * 1024)
+            except StoreError:  # raised by the reader: a cancel, not the store's fault
+                raise
             except Exception as exc:
                 raise self._wrap(exc, key) from exc
         return StoreObject(key=key, size=size, etag=(result.etag or "").strip('"')), reader.sha.hexdigest()
@@ -552,8 +585,9 @@ class FilesystemModelStore(ModelStore):
         dest = self._path(key)
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = dest.with_name(f"{dest.name}.{uuid.uuid4().hex[:8]}{PART_SUFFIX}")
+        src = open_local(local)  # a local file's fault is not the store's: raised as it is
         try:
-            with open_local(local) as src, open(tmp, "wb") as out:
+            with src, open(tmp, "wb") as out:
                 reader = _HashingReader(src, progress, cancel)
                 while chunk := reader.read(CHUNK):
                     out.write(chunk)

@@ -1,112 +1,82 @@
-"""Uploads started from the page: run in a thread of the web process that received them (the
-path is on that host), with live progress on the Upload page. The store is the record: an
-upload cut short (process stopped) never wrote its manifest, so it shows as incomplete."""
+"""Running one upload job on its node's agent: the copy in a thread, live progress, cancel.
+
+A web process only creates the job (`hub.services.create_upload_job`, after checking the path);
+the agent of the job's node claims it (`hub.worker.HubWorker`) and runs it here, off the event
+loop. The thread does the work (`hub.services.execute_upload`: the node's own path check, the
+copy with the manifest last, the index, the job's final state); this side writes progress to
+the job row, sends it to every Upload page, and turns a cancel request into the thread's stop.
+"""
 from __future__ import annotations
 
 import asyncio
 import logging
 import threading
-import time
-import uuid
-from dataclasses import dataclass, field
 
-from asgiref.sync import async_to_sync
 from django.db import close_old_connections
 
 from hub import services
 from hub.events import publish_upload
-from hub.store import get_store
+from hub.models import UploadJob
+from hub.store import ModelStore, get_store
+from live.db import db_async
 
 log = logging.getLogger("xgen.hub.uploads")
-KEEP = 50
-PUBLISH_EVERY_S = 0.3
+
+POLL_S = 0.3
+STOP_WAIT_S = 30.0
 
 
-@dataclass
-class UploadProgress:
-    """One upload this process runs or ran."""
-
-    id: str
-    prefix: str
-    local_path: str
-    user: str
-    status: str = "UPLOADING"
-    bytes_done: int = 0
-    bytes_total: int = 0
-    error: str = ""
-    started_at: float = field(default_factory=time.time)
-
-    @property
-    def percent(self) -> int:
-        if self.status == "COMPLETED":
-            return 100
-        return int(100 * self.bytes_done / self.bytes_total) if self.bytes_total else 0
+# Through the one DB bridge (the agent lives for days, across database restarts).
+_get_job = db_async(lambda job_id: UploadJob.objects.select_related("created_by").get(pk=job_id))
+_update = db_async(services.update_upload)
 
 
-_uploads: dict[str, UploadProgress] = {}
-_lock = threading.Lock()
-
-
-def recent_uploads() -> list[UploadProgress]:
-    """This process's uploads, newest first."""
-    with _lock:
-        return sorted(_uploads.values(), key=lambda u: u.started_at, reverse=True)
-
-
-def get_upload(upload_id: str) -> UploadProgress | None:
-    return _uploads.get(upload_id)
-
-
-async def _current_loop() -> asyncio.AbstractEventLoop:
-    return asyncio.get_running_loop()
-
-
-def _server_loop() -> asyncio.AbstractEventLoop | None:
-    """The event loop serving this request (daphne/uvicorn), if there is one."""
+def _execute(job_id: int, store: ModelStore, progress, cancel: threading.Event) -> UploadJob:
+    close_old_connections()
     try:
-        loop = async_to_sync(_current_loop)()
-    except RuntimeError:
-        return None
-    return None if loop.is_closed() else loop
+        return services.execute_upload(job_id, store=store, progress=progress, cancel=cancel)
+    finally:
+        close_old_connections()
 
 
-def start_upload(*, local_path: str, format: str, name: str, user: str) -> UploadProgress:
-    """Validate now (errors raise before anything starts: `services.check_import_path` decides which
-    local paths may be read), then upload in a thread (which checks the path again)."""
-    prefix, source = services.validate_upload(local_path=local_path, format=format, name=name)
-    upload = UploadProgress(id=uuid.uuid4().hex[:12], prefix=prefix, local_path=str(source.path), user=user)
-    with _lock:
-        _uploads[upload.id] = upload
-        for old in sorted(_uploads.values(), key=lambda u: u.started_at)[:-KEEP]:
-            _uploads.pop(old.id, None)
-    loop = _server_loop()
+async def run_upload_job(job_id: int, *, store: ModelStore | None = None) -> UploadJob:
+    """Run a claimed upload (status UPLOADING) to its end; returns the final job.
 
-    def send() -> None:
-        if loop is not None and not loop.is_closed():
-            asyncio.run_coroutine_threadsafe(publish_upload(upload), loop)
-        else:
-            async_to_sync(publish_upload)(upload)
+    If the agent stops meanwhile (this task is cancelled), the copy is stopped within a read and
+    the job ends FAILED with that reason before the cancellation goes on.
+    """
+    store = store or get_store()
+    job = await _get_job(job_id)
+    await publish_upload(job)
+    cancel = threading.Event()
+    state = {"done": job.bytes_done, "total": job.bytes_total}
 
-    def run() -> None:
-        last = 0.0
+    def progress(done: int, total: int) -> None:
+        state["done"], state["total"] = done, total
 
-        def progress(done: int, total: int) -> None:
-            nonlocal last
-            upload.bytes_done, upload.bytes_total = done, total
-            if time.monotonic() - last >= PUBLISH_EVERY_S:
-                last = time.monotonic()
-                send()
+    loop = asyncio.get_running_loop()
+    work = loop.run_in_executor(None, _execute, job.pk, store, progress, cancel)
+    last = (job.bytes_done, job.bytes_total)
+    try:
+        while not work.done():
+            await asyncio.wait([work], timeout=POLL_S)
+            if work.done():
+                break
+            current = await _get_job(job.pk)
+            if current.cancel_requested:
+                cancel.set()
+            now = (state["done"], state["total"])
+            if now != last:
+                last = now
+                await publish_upload(await _update(job.pk, bytes_done=now[0], bytes_total=now[1]))
+    except BaseException:
+        cancel.set()  # the thread ends the job (FAILED: the agent stopped) and re-indexes the prefix
+        await asyncio.wait([work], timeout=STOP_WAIT_S)
+        raise
+    job = work.result()
+    await publish_upload(job)
+    log.info("upload %s of %s as %s: %s %s", job.pk, job.local_path, job.target_prefix, job.status, job.error)
+    return job
 
-        try:
-            services.upload_local_model(local_path=local_path, format=format, name=name, store=get_store(),
-                                        progress=progress)
-            upload.status = "COMPLETED"
-        except Exception as exc:
-            log.warning("upload of %s as %s failed: %s", local_path, prefix, exc)
-            upload.status, upload.error = "FAILED", str(exc) or exc.__class__.__name__
-        finally:
-            close_old_connections()
-        send()
 
-    threading.Thread(target=run, name=f"upload-{upload.id}", daemon=True).start()
-    return upload
+__all__ = ["run_upload_job"]

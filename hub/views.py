@@ -14,12 +14,11 @@ from django.views.decorators.http import require_http_methods, require_POST
 from accounts.audit import record_audit
 from accounts.auth import role_required
 from accounts.models import Role
-from hub import services
-from hub.events import publish_new_job
-from hub.models import CacheEntry, CacheState, DownloadJob, ModelArtifact
+from hub import node_cache, services
+from hub.events import publish_new_job, publish_new_upload
+from hub.models import CacheEntry, CacheState, DownloadJob, ModelArtifact, UploadJob
 from hub.paths import FORMAT_ROOTS, InvalidPrefix
-from hub.store import StoreError
-from hub.uploads import recent_uploads, start_upload
+from hub.store import ModelExists, StoreError
 
 PAGE_SIZE = 50
 
@@ -63,6 +62,9 @@ def model_delete(request: HttpRequest) -> HttpResponse:
         record_audit(action="model_delete", target=prefix, request=request, outcome="refused", detail={"reason": str(exc)})
         messages.error(request, str(exc))
         return render(request, "hub/message.html", {"title": "Delete refused"}, status=400)
+    except services.PrefixBusy as exc:
+        messages.error(request, str(exc))
+        return render(request, "hub/message.html", {"title": "Delete refused"}, status=409)
     except StoreError as exc:
         record_audit(action="model_delete", target=prefix, request=request, outcome="failed", detail={"reason": str(exc)})
         messages.error(request, f"The store failed: {exc}")
@@ -84,28 +86,61 @@ def models_refresh(request: HttpRequest) -> HttpResponse:
     return redirect("models")
 
 
+RECENT_UPLOADS = 50
+
+
+def _node_choices() -> list[str]:
+    from hardware.models import Node
+
+    names = list(Node.objects.values_list("name", flat=True))
+    return names if settings.NODE_NAME in names else [settings.NODE_NAME, *names]
+
+
 @role_required(Role.OPERATOR)
 @require_http_methods(["GET", "POST"])
 def upload_page(request: HttpRequest) -> HttpResponse:
-    """Upload a file or folder on the web server's host into the store, with live progress (only paths
-    `services.check_import_path` allows: under XGEN_IMPORT_DIRS, outside the console's own dirs)."""
-    form = {"local_path": "", "format": "gguf", "name": ""}
+    """Queue an upload of a file or folder on a node into the store, and watch every upload live (the
+    jobs are in the database, so any web process shows them). Only paths `services.check_import_path`
+    allows: under XGEN_IMPORT_DIRS, outside the console's own dirs."""
+    form = {"local_path": "", "format": "gguf", "name": "", "node": settings.NODE_NAME, "replace": False}
     status = 200
     if request.method == "POST":
-        form = {k: request.POST.get(k, "").strip() for k in form}
+        form = {k: request.POST.get(k, "").strip() for k in ("local_path", "format", "name", "node")}
+        form["replace"] = request.POST.get("replace") in ("1", "on", "true")
         target = f"{form['format']}/{form['name']} from {form['local_path']}"
         try:
-            upload = start_upload(**form, user=request.user.username)
+            job = services.create_upload_job(**form, user=request.user)
         except (InvalidPrefix, services.HubInputError) as exc:
             record_audit(action="upload", target=target, request=request, outcome="refused", detail={"reason": str(exc)})
             messages.error(request, str(exc))
             status = 400
+        except (ModelExists, services.PrefixBusy) as exc:
+            messages.error(request, str(exc))
+            status = 409
+        except StoreError as exc:
+            messages.error(request, f"The store failed: {exc}")
+            status = 502
         else:
-            record_audit(action="upload", target=target, request=request)
-            messages.success(request, f"Uploading {upload.local_path} as {upload.prefix}.")
+            record_audit(action="upload", target=target, request=request,
+                         detail={"job": job.pk, "node": job.node, "prefix": job.target_prefix})
+            publish_new_upload(job)
+            messages.success(request, f"Upload of {job.local_path} as {job.target_prefix} queued on {job.node}.")
             return redirect("model-upload")
-    return render(request, "hub/upload.html", {"form": form, "formats": FORMAT_ROOTS, "uploads": recent_uploads(),
+    uploads = UploadJob.objects.select_related("created_by")[:RECENT_UPLOADS]
+    return render(request, "hub/upload.html", {"form": form, "formats": FORMAT_ROOTS, "uploads": uploads,
+                                               "nodes": _node_choices(), "this_node": settings.NODE_NAME,
                                                "import_dirs": [str(d) for d in settings.IMPORT_DIRS]}, status=status)
+
+
+@role_required(Role.OPERATOR)
+@require_POST
+def upload_cancel(request: HttpRequest, pk: int) -> HttpResponse:
+    """Cancel an upload: its agent stops the copy; nothing of it stays listed as complete."""
+    job = services.request_upload_cancel(job=get_object_or_404(UploadJob, pk=pk))
+    if request.htmx:
+        return HttpResponse(status=204)
+    messages.info(request, f"Cancel requested for the upload to {job.target_prefix}.")
+    return redirect("model-upload")
 
 
 @require_http_methods(["GET", "POST"])
@@ -128,6 +163,9 @@ def downloads_page(request: HttpRequest) -> HttpResponse:
                              detail={"reason": str(exc)})
                 messages.error(request, str(exc))
                 status = 400
+            except services.PrefixBusy as exc:
+                messages.error(request, str(exc))
+                status = 409
             else:
                 record_audit(action="download", target=job.repo_id, request=request,
                              detail={"job": job.pk, "revision": job.revision, "format": job.format})
@@ -149,3 +187,38 @@ def download_cancel(request: HttpRequest, pk: int) -> HttpResponse:
         return HttpResponse(status=204)
     messages.info(request, f"Cancel requested for {job.repo_id}.")
     return redirect("downloads")
+
+
+def _node_cache_card(request: HttpRequest, name: str, *, error: str = "") -> HttpResponse:
+    from hardware.models import Node
+
+    node = get_object_or_404(Node, name=name)
+    cache = node_cache.overview(node)
+    context = {"cache": cache, "node_name": node.name, "can_act": request.user.has_role(Role.OPERATOR),
+               "pending": any(m["pending"] for m in cache["models"]), "error": error}
+    return render(request, "hub/partials/_node_cache.html" if request.htmx else "hub/node_cache.html", context)
+
+
+@require_http_methods(["GET"])
+def node_cache_card(request: HttpRequest, name: str) -> HttpResponse:
+    """The node page's cache card (fetched by htmx; also a plain page without JS)."""
+    return _node_cache_card(request, name)
+
+
+@role_required(Role.OPERATOR)
+@require_POST
+def node_cache_action(request: HttpRequest, name: str, action: str) -> HttpResponse:
+    """Queue an Evict or a Verify for the node's agent; the card polls until it is done."""
+    from hardware.models import Node
+
+    node = get_object_or_404(Node, name=name)
+    error = ""
+    try:
+        node_cache.request_cache_job(node=node, prefix=request.POST.get("prefix", ""), action=action,
+                                     user=request.user)
+    except (InvalidPrefix, LookupError, node_cache.CacheInUse) as exc:
+        error = str(exc)
+    if not request.htmx:
+        (messages.error if error else messages.success)(request, error or f"{action.title()} queued for the agent of {name}.")
+        return redirect("node-detail", name=name)
+    return _node_cache_card(request, name, error=error)  # 200 either way: htmx swaps the card and its message

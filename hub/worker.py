@@ -1,11 +1,12 @@
-"""The hub's part of the node agent: the demo model, the store index refresh, download jobs."""
+"""The hub's part of the node agent: the demo model, the store index refresh, download and upload jobs."""
 from __future__ import annotations
 
 import asyncio
 import logging
 
-from hub import services
+from hub import node_cache, services
 from hub.downloads import run_download_job
+from hub.uploads import run_upload_job
 from live.db import db_async, run_db
 
 log = logging.getLogger("xgen.hub.worker")
@@ -13,24 +14,36 @@ log = logging.getLogger("xgen.hub.worker")
 INDEX_REFRESH_S = 60
 JOB_POLL_S = 1.0
 MAX_PARALLEL_DOWNLOADS = 2
+MAX_PARALLEL_UPLOADS = 2
 
 # Not retried on a lost connection: had the first claim committed, a second would take a second job.
 _claim_next_job = db_async(services.claim_next_job, retry=False)
+_claim_next_upload = db_async(services.claim_next_upload, retry=False)
+_claim_next_cache_job = db_async(node_cache.claim_next_cache_job, retry=False)
+CACHE_REPORT_S = 10  # the node page's and /metrics' cache figures (a walk of the cache folder)
 
 
 class HubWorker:
-    """Claims download jobs (conditional UPDATE, so two agents never take one) and keeps the
-    ModelArtifact index in step with the store."""
+    """Claims download jobs and this node's upload jobs (conditional UPDATEs, so two agents never
+    take one), runs them off the event loop, and keeps the ModelArtifact index in step with the store."""
 
     name = "hub"
 
     def __init__(self) -> None:
         self._jobs: set[asyncio.Task] = set()
+        self._uploads: set[asyncio.Task] = set()
 
     async def start(self, agent) -> None:
         from hub.demo import ensure_demo_model
 
         await run_db(services.fail_orphaned_jobs, node_name=agent.name)
+        try:
+            failed = await run_db(services.fail_orphaned_uploads, node_name=agent.name)
+            if failed:
+                log.warning("%d upload(s) of %s were cut short by the agent's restart: marked FAILED", failed,
+                            agent.name)
+        except Exception:
+            log.exception("could not end the uploads cut short by the last stop")
         try:
             await run_db(ensure_demo_model)
         except Exception:
@@ -39,7 +52,22 @@ class HubWorker:
     async def run(self, agent) -> None:
         loop = asyncio.get_running_loop()
         next_refresh = loop.time()  # the first pass indexes the store at once
+        next_report = loop.time()
         while True:
+            # Evict and Verify run one at a time, each in a worker thread (files and hashes, no loop time).
+            while (cache_job := await _claim_next_cache_job(node_name=agent.name)) is not None:
+                log.info("cache %s %s on %s", cache_job.action, cache_job.prefix, agent.name)
+                try:
+                    await run_db(node_cache.run_cache_job, cache_job.pk)
+                except Exception:
+                    log.exception("cache job %s failed", cache_job.pk)
+                next_report = loop.time() + CACHE_REPORT_S  # run_cache_job measured the disk
+            if loop.time() >= next_report:
+                next_report = loop.time() + CACHE_REPORT_S
+                try:
+                    await run_db(node_cache.report_disk, node_name=agent.name)
+                except Exception:
+                    log.warning("could not measure the cache of %s", agent.name, exc_info=True)
             while len(self._jobs) < MAX_PARALLEL_DOWNLOADS:
                 job = await _claim_next_job(node_name=agent.name)
                 if job is None:
@@ -48,6 +76,15 @@ class HubWorker:
                 task = asyncio.create_task(run_download_job(job.pk, node_name=agent.name), name=f"download-{job.pk}")
                 self._jobs.add(task)
                 task.add_done_callback(self._jobs.discard)
+            while len(self._uploads) < MAX_PARALLEL_UPLOADS:
+                upload = await _claim_next_upload(node_name=agent.name)
+                if upload is None:
+                    break
+                log.info("upload %s: %s -> %s claimed by %s", upload.pk, upload.local_path, upload.target_prefix,
+                         agent.name)
+                task = asyncio.create_task(run_upload_job(upload.pk), name=f"upload-{upload.pk}")
+                self._uploads.add(task)
+                task.add_done_callback(self._uploads.discard)
             if loop.time() >= next_refresh:
                 next_refresh = loop.time() + INDEX_REFRESH_S
                 try:
@@ -57,10 +94,11 @@ class HubWorker:
             await asyncio.sleep(JOB_POLL_S)
 
     async def stop(self, agent) -> None:
-        for task in list(self._jobs):
+        tasks = [*self._jobs, *self._uploads]
+        for task in tasks:
             task.cancel()
-        if self._jobs:
-            await asyncio.gather(*self._jobs, return_exceptions=True)
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
 
 
 __all__ = ["HubWorker"]

@@ -30,3 +30,20 @@ async def publish(group: str, html: str, *, key: str | None = None) -> None:
 def publish_sync(group: str, html: str, *, key: str | None = None) -> None:
     """`publish` for synchronous callers."""
     async_to_sync(publish)(group, html, key=key)
+
+
+def user_group(user_id: int) -> str:
+    """Every live page a user has open joins this group: a sign-out or a change to the user
+    (deactivated, another role, a new password) makes them check the user again at once."""
+    return f"user.{int(user_id)}"
+
+
+def user_changed_sync(user_id: int) -> None:
+    """Tell every open live page of `user_id` to check its user again (sync callers)."""
+    layer = get_channel_layer()
+    if layer is None:
+        return
+    try:
+        async_to_sync(layer.group_send)(user_group(user_id), {"type": "live.recheck"})
+    except Exception:  # the pages also check on their own every LIVE_RECHECK_S
+        log.warning("live recheck for user %s failed", user_id, exc_info=True)

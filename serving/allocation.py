@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from hardware.allocation import Holder
 from hardware.models import Node
+from hub.node_cache import CacheUser
 from serving.models import ACTIVE_STATES, ModelInstance
 
 
@@ -13,3 +14,15 @@ def active_holders(node: Node | None = None) -> list[tuple[int, list[int], Holde
         qs = qs.filter(node=node)
     return [(inst.node_id, list(inst.gpus or []), Holder(id=inst.pk, model_name=inst.model_name, state=inst.state))
             for inst in qs]
+
+
+def cache_users(node_name: str) -> dict[str, list]:
+    """{store prefix: [CacheUser]} for the active instances of a node (hub.node_cache's users source)."""
+    out: dict[str, list] = {}
+    qs = ModelInstance.objects.filter(state__in=ACTIVE_STATES, node__name=node_name).only("id", "model_path",
+                                                                                        "model_name", "state")
+    for inst in qs:
+        if not inst.model_path.startswith("/"):
+            out.setdefault(inst.model_path.strip("/"), []).append(
+                CacheUser(id=inst.pk, model_name=inst.model_name, state=inst.state))
+    return out

@@ -8,13 +8,15 @@ from accounts.audit import record_audit
 from accounts.auth import api_auth, operator_auth, require_role
 from accounts.errors import ApiError
 from serving.models import ModelInstance
+from serving.planning import LoadRefused, local_python, stored_plan
 from serving.schemas import InstanceOut, InstanceRef, LoadIn, LoadOut
-from serving.services import LoadRefused, find_instance, request_load, request_restart, request_unload
+from serving.services import find_instance, request_load, request_restart, request_unload
 
 management_router = Router()
 
 
 def instance_out(inst: ModelInstance) -> dict:
+    plan = stored_plan(inst)
     return {
         "id": inst.pk, "model_name": inst.model_name, "model_path": inst.model_path, "type": inst.type,
         "state": inst.state, "state_message": inst.state_message, "progress_pct": inst.progress_pct,
@@ -23,6 +25,9 @@ def instance_out(inst: ModelInstance) -> dict:
         "restarts": inst.restarts, "error": inst.last_error, "exit_code": inst.exit_code,
         "extra_args": inst.extra_args or {}, "ready_at": inst.ready_at, "created_at": inst.created_at,
         "log_tail": list(inst.log_tail or []),
+        # The argv as planned; {port}, {model} and {python} stay where only the node knows them.
+        "command": plan.command(port=inst.port, model=plan.known_model_file,
+                                python=local_python(inst.node.name)) if plan else None,
     }
 
 
@@ -56,7 +61,7 @@ def load(request: HttpRequest, body: LoadIn):
         inst = request_load(
             model_path=body.model_path, model_name=body.model_name, server_type=body.server_type,
             backend=body.backend, node=body.node, gpus=body.gpus, tensor_parallel_size=body.tensor_parallel_size,
-            extra_args=body.extra_args, autostart=body.autostart, user=user,
+            extra_args=body.extra_args, autostart=body.autostart, user=user, aliases=body.aliases,
         )
     except LoadRefused as exc:
         _audit_refused(request, "load", body.model_name or body.model_path, exc)

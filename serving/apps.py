@@ -6,6 +6,9 @@ class ServingConfig(AppConfig):
 
     def ready(self) -> None:
         from hardware.allocation import set_holder_source
-        from serving.allocation import active_holders
+        from hub.node_cache import set_users_source
+        from serving.allocation import active_holders, cache_users
 
         set_holder_source(active_holders)  # hardware shows who holds each GPU without importing serving
+        set_users_source(cache_users)  # the hub never evicts a cached model an instance uses
+        import serving.events  # noqa: F401  (connects the live updates of instance state changes)

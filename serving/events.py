@@ -10,11 +10,12 @@ import logging
 
 from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
+from django.dispatch import receiver
 from django.template.loader import render_to_string
 from django.utils.html import escape
 
 from live.publish import publish, publish_sync
-from serving.models import InstanceEvent, ModelInstance
+from serving.models import InstanceEvent, ModelInstance, instance_changed
 
 log = logging.getLogger("xgen.serving")
 
@@ -56,17 +57,33 @@ def routing_changed() -> None:
         log.warning("routing push failed", exc_info=True)
 
 
-def state_changed(instance: ModelInstance, event: InstanceEvent | None = None) -> None:
-    """The list page's card, the state block and (after a transition) the timeline of its page (sync)."""
+def state_changed(instance: ModelInstance, event: InstanceEvent | None = None, *,
+                  progress_only: bool = False) -> None:
+    """Live updates after a change of the instance (sync).
+
+    A state change: the list page's whole card, the state block and (with a timeline row) the
+    timeline of its page. A progress tick (CACHING %): only that instance's state block and its
+    row's state cell; the card is not rendered again every 0.5 s.
+    """
     if event is not None:
-        routing_changed()
-    # The whole list card, not rows: the consumer joins fragments into one message, and a <tr>
-    # beside a non-table element does not survive HTML parsing. Bursts coalesce by key.
-    publish_sync(LIST_GROUP, instances_card_html(oob=True), key="instances-card")
+        routing_changed()  # every web process's routing table re-reads the database now
+    if progress_only:
+        cell = render_to_string("serving/partials/_instance_row_state.html", {"i": instance, "oob": True})
+        publish_sync(LIST_GROUP, cell, key=f"inst-row-state-{instance.pk}")
+    else:
+        # The whole list card, not rows: the consumer joins fragments into one message, and a <tr>
+        # beside a non-table element does not survive HTML parsing. Bursts coalesce by key.
+        publish_sync(LIST_GROUP, instances_card_html(oob=True), key="instances-card")
     state = render_to_string("serving/partials/_instance_state.html", {"inst": instance, "oob": True})
     publish_sync(instance_group(instance.pk), state, key=f"inst-state-{instance.pk}")
     if event is not None:
         publish_sync(instance_group(instance.pk), timeline_html(instance.pk, oob=True), key=f"timeline-{instance.pk}")
+
+
+@receiver(instance_changed, dispatch_uid="serving.events.state_changed")
+def _on_instance_changed(sender, *, instance: ModelInstance, event: InstanceEvent | None, progress_only: bool,
+                         **kwargs) -> None:
+    state_changed(instance, event, progress_only=progress_only)
 
 
 def instances_context(*, can_operate: bool) -> dict:

@@ -2,9 +2,13 @@
 
 Under the ASGI app, `/api/inference/` is served by serving.proxy.app.proxy_app ahead of Django
 (the fast path clients use); these Ninja views make the same operations appear at /api/docs
-and answer identically when Django is reached directly (e.g. the test client).
+and answer identically when Django is reached directly (e.g. the test client). The proxy also
+forwards any other `POST /v1/<path>` naming a `model`; the docs list the ones clients use most.
 """
 from __future__ import annotations
+
+import asyncio
+from typing import Literal
 
 from django.conf import settings
 from django.http import HttpRequest, HttpResponse, StreamingHttpResponse
@@ -31,6 +35,7 @@ class ModelEntry(Schema):
     type: str = Field(description="llm or embedding")
     backend: str
     node: str = Field(description="node of the first replica")
+    aliases: list[str] = Field(default_factory=list, description="more names that route to this model")
     replicas: int
     instances: list[dict]
 
@@ -67,6 +72,42 @@ class CompletionRequest(_OpenAIBody):
 
 class EmbeddingRequest(_OpenAIBody):
     input: str | list
+
+
+class ResponsesRequest(_OpenAIBody):
+    model: str
+    input: str | list
+    stream: bool = False
+
+
+class AnthropicMessage(Schema):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["user", "assistant"]
+    content: str | list
+
+
+class MessagesRequest(Schema):
+    model_config = ConfigDict(extra="allow")
+    model: str = Field(description="a served model_name")
+    max_tokens: int
+    messages: list[AnthropicMessage]
+    system: str | list | None = None
+    stream: bool = False
+
+
+class CountTokensRequest(Schema):
+    model_config = ConfigDict(extra="allow")
+    model: str
+    messages: list[AnthropicMessage]
+    system: str | list | None = None
+
+
+class EngineRequest(Schema):
+    model_config = ConfigDict(extra="allow")
+    model: str = Field(description="a served model_name; the rest of the body is the engine's")
+
+
+EngineRoute = Literal["tokenize", "detokenize", "apply-template", "infill", "rerank", "score", "pooling", "classify"]
 
 
 def _error(exc: ErrorAnswer, ctx: RequestContext | None = None) -> HttpResponse:
@@ -120,6 +161,55 @@ async def _forward(request: HttpRequest, kind: str) -> HttpResponse:
     return response
 
 
+async def _via_proxy(request: HttpRequest) -> HttpResponse:
+    """Answer through the proxy's own ASGI app (the routes whose answer it shapes itself: the
+    Messages translation, unsupported_by_backend), streamed back through Django."""
+    scope = {
+        "type": "http", "method": request.method, "path": request.path, "scheme": request.scheme,
+        "query_string": request.META.get("QUERY_STRING", "").encode("latin-1"),
+        "headers": [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in request.headers.items()],
+    }
+    body = request.body
+    queue: asyncio.Queue = asyncio.Queue()
+    delivered = asyncio.Event()
+
+    async def receive() -> dict:
+        if not delivered.is_set():
+            delivered.set()
+            return {"type": "http.request", "body": body, "more_body": False}
+        await asyncio.Event().wait()  # Django tells no disconnect: wait until the answer is done
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        await queue.put(message)
+
+    task = asyncio.ensure_future(proxy_app.proxy_app(scope, receive, send))
+    task.add_done_callback(lambda _: queue.put_nowait(None))
+    start = await queue.get()
+    if start is None:  # ended without answering (cannot happen: the app always answers)
+        return _error(ProxyError(502, "The proxy gave no answer.", code="upstream_error"))
+
+    async def chunks():
+        try:
+            while True:
+                message = await queue.get()
+                if message is None:
+                    return
+                if message.get("body"):
+                    yield message["body"]
+                if not message.get("more_body", False):
+                    return
+        finally:
+            if not task.done():
+                task.cancel()
+
+    response = StreamingHttpResponse(chunks(), status=start["status"])
+    for name, value in start["headers"]:
+        if name != b"content-length":
+            response[name.decode("latin-1")] = value.decode("latin-1")
+    return response
+
+
 @router.get("/v1/models", response=ModelList, summary="List READY models")
 async def list_models(request: HttpRequest):
     """Every READY model, one entry per served name with its replicas (for a key with
@@ -165,3 +255,31 @@ async def embedding_embeddings(request: HttpRequest, payload: EmbeddingRequest):
     """Routed by `model`, or to an embedding model."""
     return await _forward(request, "embedding")
 
+
+
+@router.post("/v1/responses", summary="OpenAI Responses API (where the backend serves it)")
+async def responses(request: HttpRequest, payload: ResponsesRequest):
+    """Forwarded to an LLM backend that serves /v1/responses (llama-server, vLLM); elsewhere
+    404 `unsupported_by_backend` naming the backend."""
+    return await _via_proxy(request)
+
+
+@router.post("/v1/messages", summary="Anthropic Messages API (stream: true for SSE)")
+async def messages(request: HttpRequest, payload: MessagesRequest):
+    """Anthropic's Messages API: forwarded natively where the backend serves it, translated to
+    and from chat completions elsewhere. `x-api-key` works like a bearer key; errors come in
+    Anthropic's shape `{"type": "error", "error": {"type", "message"}}`."""
+    return await _via_proxy(request)
+
+
+@router.post("/v1/messages/count_tokens", summary="Anthropic token count")
+async def count_tokens(request: HttpRequest, payload: CountTokensRequest):
+    """`{"input_tokens": n}` for a Messages request, from the backend's own tokenizer and template."""
+    return await _via_proxy(request)
+
+
+@router.post("/{route}", summary="An engine route (tokenize, detokenize, apply-template, rerank, ...)")
+async def engine_route(request: HttpRequest, route: EngineRoute, payload: EngineRequest):
+    """The engine's own route of that name on the named model's backend; what the backend
+    answers (its 404 for a route it lacks) comes back, in the OpenAI shape if it is not JSON."""
+    return await _via_proxy(request)

@@ -1,9 +1,21 @@
-"""Model instances (a served model on a node) and their state history."""
+"""Model instances (a served model on a node), their state history, and the one table of legal
+state transitions every state change is checked against.
+
+A state changes only through the `mark_*` methods: each locks the row, checks the move against
+TRANSITIONS, writes the row and its InstanceEvent in one transaction, then announces the change
+(`instance_changed`, which serving.events turns into live page updates) after the commit.
+"""
 from __future__ import annotations
 
+import logging
+
 from django.conf import settings
-from django.db import models
+from django.db import models, transaction
+from django.db.models import Q
+from django.dispatch import Signal
 from django.utils import timezone
+
+log = logging.getLogger("xgen.serving")
 
 
 class InstanceType(models.TextChoices):
@@ -37,9 +49,44 @@ ACTIVE_STATES = (
     InstanceState.UNLOADING,
 )
 
+S = InstanceState
+# Every legal move: from-state -> the states it may go to. A self-move is a new message on the
+# same state (READY -> READY: adopted by a restarted agent; ERROR -> ERROR: backoff, giving up).
+TRANSITIONS: dict[str, frozenset[str]] = {
+    S.PENDING: frozenset({S.CACHING, S.LOADING, S.ERROR, S.UNLOADING, S.STOPPED}),
+    S.CACHING: frozenset({S.LOADING, S.ERROR, S.UNLOADING, S.STOPPED, S.PENDING}),
+    S.LOADING: frozenset({S.WARMING, S.ERROR, S.UNLOADING, S.STOPPED, S.PENDING}),
+    S.WARMING: frozenset({S.READY, S.ERROR, S.UNLOADING, S.STOPPED, S.PENDING}),
+    S.READY: frozenset({S.READY, S.ERROR, S.UNLOADING, S.STOPPED}),
+    S.UNLOADING: frozenset({S.STOPPED}),
+    S.STOPPED: frozenset({S.PENDING}),
+    S.ERROR: frozenset({S.ERROR, S.PENDING, S.UNLOADING, S.STOPPED}),
+}
+del S
+
+# Sent after a state change or a progress tick has been committed: (instance, event, progress_only).
+instance_changed = Signal()
+
+
+def name_holders() -> Q:
+    """Instances that hold their served name: active ones, and ones the agent will start again."""
+    return Q(state__in=ACTIVE_STATES) | (Q(desired_state=DesiredState.RUNNING) & Q(state=InstanceState.STOPPED))
+
+
+class IllegalTransition(Exception):
+    """A state change TRANSITIONS does not allow (the row's state changed under the caller)."""
+
+    def __init__(self, instance_id: int, from_state: str, to_state: str) -> None:
+        super().__init__(f"instance {instance_id}: {from_state} -> {to_state} is not a legal transition")
+        self.from_state = from_state
+        self.to_state = to_state
+
 
 class ModelInstance(models.Model):
     model_name = models.CharField(max_length=255, help_text="served name clients put in `model`")
+    aliases = models.JSONField(default=list, blank=True, help_text="more names that route like model_name")
+    replica = models.PositiveSmallIntegerField(
+        default=0, help_text="replicas of one served name are numbered; a load makes replica 0")
     model_path = models.CharField(max_length=1024, help_text="store prefix or absolute path on the node")
     artifact = models.ForeignKey("hub.ModelArtifact", null=True, blank=True, on_delete=models.SET_NULL)
     type = models.CharField(max_length=16, choices=InstanceType.choices, default=InstanceType.LLM)
@@ -49,6 +96,7 @@ class ModelInstance(models.Model):
     gpus = models.JSONField(default=list, blank=True)  # [index, ...] on the node
     tensor_parallel_size = models.IntegerField(default=1)
     extra_args = models.JSONField(default=dict, blank=True)
+    plan = models.JSONField(null=True, blank=True, help_text="the LaunchPlan made when the load was requested")
     autostart = models.BooleanField(default=False)
     desired_state = models.CharField(max_length=16, choices=DesiredState.choices, default=DesiredState.RUNNING)
     state = models.CharField(max_length=16, choices=InstanceState.choices, default=InstanceState.PENDING)
@@ -73,6 +121,12 @@ class ModelInstance(models.Model):
     class Meta:
         ordering = ["-created_at"]
         indexes = [models.Index(fields=["state", "model_name"])]
+        constraints = [
+            # Two loads racing for one served name: the database lets one through (an empty
+            # SELECT ... FOR UPDATE locks nothing, so only an index can decide).
+            models.UniqueConstraint(fields=["model_name", "replica"], condition=name_holders(),
+                                    name="serving_one_holder_per_served_name"),
+        ]
 
     def __str__(self) -> str:
         return f"{self.model_name}#{self.pk}"
@@ -90,6 +144,136 @@ class ModelInstance(models.Model):
     def upstream_base(self) -> str:
         """Where the proxy reaches this backend."""
         return f"http://{self.node.address}:{self.port}"
+
+    # ------------------------------------------------------------ creation
+    @classmethod
+    def create_requested(cls, *, message: str, **fields) -> ModelInstance:
+        """A new PENDING instance and its first timeline row, in one transaction; announced after."""
+        with transaction.atomic():
+            inst = cls.objects.create(state=InstanceState.PENDING, **fields)
+            ev = InstanceEvent.objects.create(instance=inst, from_state="", to_state=InstanceState.PENDING,
+                                              message=message)
+        _announce(inst, ev)
+        return inst
+
+    # ------------------------------------------------------------ state changes
+    def _move(self, to_state: str, message: str, *, event: bool = True, clear_process: bool = False,
+              only_if_running: bool = False, **fields) -> ModelInstance:
+        """Lock the row, check the move against TRANSITIONS, write it and its InstanceEvent in one
+        transaction, then announce it. `clear_process`: the backend is gone (pid and group cleared,
+        stopped_at set if there was one). `only_if_running`: refused unless desired RUNNING."""
+        with transaction.atomic():
+            row = type(self).objects.select_for_update(of=("self",)).select_related("node").get(pk=self.pk)
+            from_state = row.state
+            if to_state not in TRANSITIONS[from_state]:
+                raise IllegalTransition(self.pk, from_state, to_state)
+            now = timezone.now()
+            if clear_process:
+                if row.pid:
+                    row.stopped_at = now
+                row.pid = row.pgid = None
+                row.progress_pct = None
+            row.state = to_state
+            row.state_message = message[:500]
+            row.updated_at = now
+            for name, value in fields.items():
+                setattr(row, name, value)
+            if only_if_running and row.desired_state != DesiredState.RUNNING:
+                raise IllegalTransition(self.pk, from_state, to_state)
+            row.save()
+            ev = None
+            if event:
+                ev = InstanceEvent.objects.create(instance=row, from_state=from_state, to_state=to_state,
+                                                  message=message)
+        self._take(row)
+        _announce(self, ev)
+        return self
+
+    def _take(self, row: ModelInstance) -> None:
+        for f in self._meta.concrete_fields:
+            setattr(self, f.attname, getattr(row, f.attname))
+        if "node" in row._state.fields_cache:
+            self.node = row.node
+
+    def mark_pending(self, reason: str, **fields) -> ModelInstance:
+        """Back to PENDING: the agent (re)starts the load. Refused unless the instance should run."""
+        return self._move(InstanceState.PENDING, reason, only_if_running=True, progress_pct=None, **fields)
+
+    def mark_caching(self, pct: float = 0.0) -> ModelInstance:
+        """The model is being copied from the store into the node cache."""
+        return self._move(InstanceState.CACHING, f"copying from the store: {pct:.0f}%", progress_pct=round(pct, 1))
+
+    def set_progress(self, pct: float) -> bool:
+        """The copy's progress, written only while the instance is still CACHING (never a state it
+        has left); no timeline row. True when the row was updated."""
+        now = timezone.now()
+        message = f"copying from the store: {pct:.0f}%"
+        updated = type(self).objects.filter(pk=self.pk, state=InstanceState.CACHING).update(
+            progress_pct=round(pct, 1), state_message=message, updated_at=now)
+        if not updated:
+            return False
+        self.state, self.progress_pct, self.state_message, self.updated_at = \
+            InstanceState.CACHING, round(pct, 1), message, now
+        _announce(self, None, progress_only=True)
+        return True
+
+    def mark_loading(self, *, pid: int, pgid: int, port: int, gpus: list[int], message: str) -> ModelInstance:
+        """The backend process runs (pid, its group, its port, the GPUs it holds); the model loads."""
+        return self._move(InstanceState.LOADING, message, pid=pid, pgid=pgid, port=port, gpus=list(gpus),
+                          started_at=timezone.now(), exit_code=None, progress_pct=None, log_tail=[], ready_at=None)
+
+    def mark_warming(self) -> ModelInstance:
+        return self._move(InstanceState.WARMING, "sending one warm-up request")
+
+    def mark_ready(self, message: str, *, adopted: bool = False) -> ModelInstance:
+        """Health and warm-up passed (or a restarted agent adopted the healthy backend)."""
+        return self._move(InstanceState.READY, message, **({} if adopted else {"ready_at": timezone.now()}))
+
+    def mark_error(self, message: str, *, last_error: str | None = None, event: bool = True,
+                   **process) -> ModelInstance:
+        """Failed; its process is gone. `process` may carry exit_code and log_tail."""
+        if last_error is not None:
+            process["last_error"] = last_error
+        return self._move(InstanceState.ERROR, message, event=event, clear_process=True, **process)
+
+    def mark_unloading(self, reason: str) -> ModelInstance:
+        """The backend is being stopped."""
+        return self._move(InstanceState.UNLOADING, reason)
+
+    def mark_stopped(self, reason: str, *, keep_gpus: bool = False, **process) -> ModelInstance:
+        """No process any more: pid, group and port are free, and the GPUs unless it starts again on
+        them. `process` may carry the exit_code."""
+        fields = {"port": None, "stopped_at": timezone.now(), **process}
+        if not keep_gpus:
+            fields["gpus"] = []
+        return self._move(InstanceState.STOPPED, reason, clear_process=True, **fields)
+
+    # ------------------------------------------------------------ requests that are no state change
+    def note_restart_requested(self) -> ModelInstance:
+        """A restart of a live instance: desired RUNNING, the agent restarts it; a timeline row says so."""
+        with transaction.atomic():
+            row = type(self).objects.select_for_update(of=("self",)).select_related("node").get(pk=self.pk)
+            row.desired_state = DesiredState.RUNNING
+            row.restart_requested = True
+            row.updated_at = timezone.now()
+            row.save(update_fields=["desired_state", "restart_requested", "updated_at"])
+            ev = InstanceEvent.objects.create(instance=row, from_state=row.state, to_state=row.state,
+                                              message="restart requested")
+        self._take(row)
+        _announce(self, ev)
+        return self
+
+    def forget_process(self) -> None:
+        """A pid recorded on a row that is no longer active (its backend is gone): clear it."""
+        type(self).objects.filter(pk=self.pk).update(pid=None, pgid=None)
+        self.pid = self.pgid = None
+
+
+def _announce(instance: ModelInstance, event: InstanceEvent | None, *, progress_only: bool = False) -> None:
+    try:
+        instance_changed.send(sender=ModelInstance, instance=instance, event=event, progress_only=progress_only)
+    except Exception:  # a live update must never break a state change
+        log.warning("live update for %s failed", instance, exc_info=True)
 
 
 class InstanceEvent(models.Model):

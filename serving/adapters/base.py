@@ -1,17 +1,56 @@
 """The backend adapter contract: how one inference server is started, checked and warmed up.
 
-An adapter turns a `LaunchSpec` (what to serve, where, on which GPUs) into an argv list and an
-environment. Nothing here starts a process or touches the database; the supervisor does that.
+An adapter turns a `LaunchSpec` (what to serve, where, on which GPUs) into an argv list and the
+environment variables it adds; `backend_environment` is the whole environment a backend gets
+(an allowlist of the agent's, never its secrets). Nothing here starts a process or touches the
+database; the supervisor does that.
 """
 from __future__ import annotations
 
+import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, Protocol
+
+from django.conf import settings
 
 FLAG_RE = re.compile(r"^--[a-z0-9][a-z0-9_-]{0,63}$")
 MAX_VALUE_LEN = 512
+# Whole-number flags (context, batch, threads, seeds) stay far inside this; beyond it the
+# memory estimate overflows and no backend would take the value anyway.
+INT_LIMIT = 2**32
+
+# What a backend may see of the agent's environment: enough to run (paths, locale, temp dir, the
+# GPU runtime's own settings), never the console's (secret key, database URL, store keys, admin
+# password). XGEN_BACKEND_ENV names more variables to pass.
+ENV_NAMES = frozenset({
+    "PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TZ", "TMPDIR", "LD_LIBRARY_PATH", "PYTHONPATH",
+    "LLAMA_CPP_LIB_PATH",  # the one-compile install: llama-cpp-python loads the cached libllama from there
+    "HF_HOME", "HF_HUB_CACHE", "XDG_CACHE_HOME",
+})
+ENV_PREFIXES = ("LC_", "CUDA_", "NVIDIA_", "NCCL_", "ROCR_", "ROCM_", "HIP_", "HSA_", "VK_", "GGML_", "OMP_")
+# Children never reach the Hub on their own: models come from the node cache.
+OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+def backend_environment(additions: Mapping[str, str], agent_env: Mapping[str, str]) -> dict[str, str]:
+    """A backend's whole environment: the allowlisted part of the agent's, plus `additions`."""
+    extra = set(getattr(settings, "BACKEND_ENV_PASS", ()))
+    env = {k: v for k, v in agent_env.items()
+           if k in ENV_NAMES or k in extra or k.startswith(ENV_PREFIXES)}
+    env.update(additions)
+    return env
+
+
+class Served(Protocol):
+    """What a warm-up request needs to know of an instance (a LaunchSpec or a LaunchPlan)."""
+
+    model_name: str
+
+    @property
+    def is_embedding(self) -> bool: ...
 
 
 class InvalidExtraArgs(ValueError):
@@ -26,14 +65,16 @@ class LaunchSpec:
     model_name: str
     server_type: str  # "llm" | "embedding"
     host: str
-    port: int
+    port: int | str  # a number, or the plan's placeholder the agent fills in
     gpus: tuple[int, ...] = ()
     gpu_type: str = ""  # NVIDIA | AMD_CDNA | AMD_RDNA | "" (CPU)
     flavour: str = ""  # cuda | rocm | vulkan | cpu | ""
     version: str = ""
     executable: str = ""  # the backend's binary when it is not a Python module (llama-server)
+    python: str = ""  # the interpreter a Python-module backend runs in (default: this one)
     tensor_parallel_size: int = 1
     extra_args: dict = field(default_factory=dict)
+    extra_args_checked: bool = False  # already normalize_extra_args()'s output (the plan checks them once)
 
     @property
     def is_embedding(self) -> bool:
@@ -61,6 +102,14 @@ BOOL = "bool"  # True -> bare flag; False/None -> omitted
 INT = "int"
 FLOAT = "float"
 STR = "str"
+# A chat template given inline, or a template's name; never a file: the backend would read any
+# file of the node it names (engines take a path there, and fall back to the text).
+TEMPLATE = "template"
+
+
+# Routes of the OpenAI-compatible surface that not every backend serves; a backend serves the
+# rest of /v1/ (chat, completions, embeddings, models) or answers its own 404.
+OPTIONAL_ROUTES = frozenset({"/v1/responses", "/v1/messages", "/v1/messages/count_tokens"})
 
 
 class BackendAdapter:
@@ -72,6 +121,12 @@ class BackendAdapter:
     health_path: ClassVar[str] = "/health"
     # Log lines that mean "probably up now": they only make the health poll happen sooner.
     ready_hints: ClassVar[tuple[str, ...]] = ("Uvicorn running on",)
+    # Which of OPTIONAL_ROUTES the server answers itself (the proxy translates or refuses the others).
+    native_routes: ClassVar[frozenset[str]] = frozenset()
+
+    def serves(self, path: str, version: str = "") -> bool:
+        """Whether the backend answers `path` itself (False only for an OPTIONAL_ROUTES path it lacks)."""
+        return path not in OPTIONAL_ROUTES or path in self.native_routes
 
     def load_timeout_s(self) -> int:
         raise NotImplementedError
@@ -95,13 +150,13 @@ class BackendAdapter:
         # A CPU placement must not grab a GPU by accident.
         return {"CUDA_VISIBLE_DEVICES": "", "HIP_VISIBLE_DEVICES": ""} if spec.gpu_type else {}
 
-    def build_env(self, spec: LaunchSpec, base: dict[str, str]) -> dict[str, str]:
-        """The child's environment: the agent's, offline by default, plus device visibility."""
-        env = dict(base)
-        env["HF_HUB_OFFLINE"] = "1"
-        env["TRANSFORMERS_OFFLINE"] = "1"
-        env.update(self.device_env(spec))
-        return env
+    def env_additions(self, spec: LaunchSpec) -> dict[str, str]:
+        """What the backend's environment adds to the allowlisted base: offline, device visibility."""
+        return {**OFFLINE_ENV, **self.device_env(spec)}
+
+    def build_env(self, spec: LaunchSpec, base: Mapping[str, str]) -> dict[str, str]:
+        """The child's environment: the allowlisted part of `base` (the agent's) plus env_additions."""
+        return backend_environment(self.env_additions(spec), base)
 
     def normalize_extra_args(self, extra_args: dict | None, version: str) -> dict[str, object]:
         """Validated {--flag: value}; raises InvalidExtraArgs naming the offending flag."""
@@ -141,16 +196,26 @@ class BackendAdapter:
             raise InvalidExtraArgs(f"{flag} needs a value")
         if kind == INT:
             try:
-                return int(text)
+                number = int(text)
             except ValueError:
                 raise InvalidExtraArgs(f"{flag} needs a whole number, got {text[:40]!r}") from None
+            if not -INT_LIMIT <= number <= INT_LIMIT:
+                raise InvalidExtraArgs(f"{flag} needs a whole number between {-INT_LIMIT} and {INT_LIMIT}, "
+                                       f"got {text[:40]}{'...' if len(text) > 40 else ''}")
+            return number
         if kind == FLOAT:
             try:
-                return float(text)
+                number = float(text)
             except ValueError:
                 raise InvalidExtraArgs(f"{flag} needs a number, got {text[:40]!r}") from None
+            if not math.isfinite(number):
+                raise InvalidExtraArgs(f"{flag} needs a finite number, got {text[:40]!r}")
+            return number
         if text.lstrip().startswith("-"):
             raise InvalidExtraArgs(f"the value of {flag} may not start with '-' (it would read as another flag)")
+        if kind == TEMPLATE and ("{{" not in text and "{%" not in text) and (
+                "/" in text or "\\" in text or text.startswith((".", "~"))):
+            raise InvalidExtraArgs(f"{flag} takes a template inline or a template's name, not a file path")
         if kind.startswith("choice:"):
             choices = kind.split(":", 1)[1].split("|")
             if text not in choices:
@@ -158,9 +223,11 @@ class BackendAdapter:
         return text
 
     def extra_argv(self, spec: LaunchSpec) -> list[str]:
-        """extra_args as argv items (validated again: the row may predate a version change)."""
+        """extra_args as argv items (checked here unless the spec says they were)."""
+        checked = spec.extra_args if spec.extra_args_checked else self.normalize_extra_args(spec.extra_args,
+                                                                                            spec.version)
         argv: list[str] = []
-        for flag, value in self.normalize_extra_args(spec.extra_args, spec.version).items():
+        for flag, value in checked.items():
             if value is True:
                 argv.append(flag)
             elif value is False:
@@ -169,7 +236,7 @@ class BackendAdapter:
                 argv += [flag, str(value)]
         return argv
 
-    def warmup_request(self, spec: LaunchSpec) -> tuple[str, dict]:
+    def warmup_request(self, spec: Served) -> tuple[str, dict]:
         """One small request that proves the model answers: (path, JSON body)."""
         if spec.is_embedding:
             return "/v1/embeddings", {"model": spec.model_name, "input": "warm-up"}

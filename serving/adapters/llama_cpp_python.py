@@ -52,7 +52,7 @@ class LlamaCppPythonServer(BackendAdapter):
 
     def build_command(self, spec: LaunchSpec) -> list[str]:
         cmd = [
-            sys.executable, "-m", "llama_cpp.server",
+            spec.python or sys.executable, "-m", "llama_cpp.server",
             "--model", str(spec.model_file),
             "--model_alias", spec.model_name,
             "--host", spec.host,

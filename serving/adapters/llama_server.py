@@ -3,10 +3,19 @@ from __future__ import annotations
 
 from django.conf import settings
 
-from serving.adapters.base import BOOL, FLOAT, INT, STR, BackendAdapter, LaunchSpec, parse_version
+from serving.adapters.base import BOOL, FLOAT, INT, STR, TEMPLATE, BackendAdapter, LaunchSpec, parse_version
 
 # From build b6325 (2025-08) `--flash-attn` takes on|off|auto; before it was a bare switch.
-FLASH_ATTN_VALUE_SINCE = (6325,)
+FLASH_ATTN_VALUE_SINCE = 6325
+
+
+def predates(version: str, build: int) -> bool:
+    """Whether `version` (as the probe reports it) is known to be a llama.cpp build older than
+    `build`: only an old-style build number below it. The semantic versions ("0.5.0 (build N,
+    commit C)") came long after b6325, and build 0 is llama.cpp's "unknown" (a build from a source
+    package without git history, as deploy/build_llama_cpp.sh makes): both count as current."""
+    parsed = parse_version(version)
+    return len(parsed) == 1 and 0 < parsed[0] < build
 
 COMMON_FLAGS = {
     "--ctx-size": INT,
@@ -25,7 +34,7 @@ COMMON_FLAGS = {
     "--rope-freq-base": FLOAT,
     "--rope-freq-scale": FLOAT,
     "--seed": INT,
-    "--chat-template": STR,
+    "--chat-template": TEMPLATE,
     "--jinja": BOOL,
     "--split-mode": "choice:none|layer|row",
     "--tensor-split": STR,
@@ -40,16 +49,18 @@ class LlamaServer(BackendAdapter):
     name = "llama-server"
     label = "llama-server"
     formats = ("gguf",)
-    health_path = "/health"
-    ready_hints = ("server is listening", "HTTP server listening")
+    health_path = "/health"  # 503 while the model loads, 200 once it can answer
+    # "llama_server: listening on http://..." (0.5), "server is listening on" / "HTTP server listening" (older).
+    ready_hints = ("listening on http", "server is listening", "HTTP server listening")
+    # The OpenAI Responses API and Anthropic's Messages API (with count_tokens) are llama-server's own.
+    native_routes = frozenset({"/v1/responses", "/v1/messages", "/v1/messages/count_tokens"})
 
     def load_timeout_s(self) -> int:
         return settings.LOAD_TIMEOUT_LLAMA_S
 
     def allowed_flags(self, version: str) -> dict[str, str]:
         flags = dict(COMMON_FLAGS)
-        parsed = parse_version(version)
-        if parsed and parsed < FLASH_ATTN_VALUE_SINCE:
+        if predates(version, FLASH_ATTN_VALUE_SINCE):
             flags["--flash-attn"] = BOOL
         else:
             flags["--flash-attn"] = "choice:on|off|auto"
@@ -64,7 +75,7 @@ class LlamaServer(BackendAdapter):
             "--port", str(spec.port),
         ]
         if spec.is_embedding:
-            cmd += ["--embedding", "--pooling", "mean"]
+            cmd += ["--embeddings", "--pooling", "mean"]
         extra = self.extra_argv(spec)
         if spec.gpus and "--n-gpu-layers" not in extra:
             cmd += ["-ngl", "999"]  # every layer on the held GPUs

@@ -5,10 +5,22 @@ import sys
 
 from django.conf import settings
 
-from serving.adapters.base import BOOL, FLOAT, INT, STR, BackendAdapter, LaunchSpec, parse_version
+from serving.adapters.base import (
+    BOOL,
+    FLOAT,
+    INT,
+    STR,
+    TEMPLATE,
+    BackendAdapter,
+    InvalidExtraArgs,
+    LaunchSpec,
+    parse_version,
+)
 
 # vLLM's docs: through 0.10.0 embeddings use `--task embed`; from 0.10.1 `--runner pooling --convert embed`.
 POOLING_RUNNER_SINCE = (0, 10, 1)
+RESPONSES_SINCE = (0, 10, 0)
+MESSAGES_SINCE = (0, 12, 0)
 
 COMMON_FLAGS = {
     "--max-model-len": INT,
@@ -17,7 +29,7 @@ COMMON_FLAGS = {
     "--max-num-seqs": INT,
     "--max-num-batched-tokens": INT,
     "--enforce-eager": BOOL,
-    "--trust-remote-code": BOOL,
+    "--trust-remote-code": BOOL,  # only with XGEN_ALLOW_TRUST_REMOTE_CODE=true (see _check_value)
     "--quantization": STR,
     "--kv-cache-dtype": STR,
     "--swap-space": FLOAT,
@@ -26,7 +38,7 @@ COMMON_FLAGS = {
     "--enable-prefix-caching": BOOL,
     "--enable-chunked-prefill": BOOL,
     "--pipeline-parallel-size": INT,
-    "--chat-template": STR,
+    "--chat-template": TEMPLATE,
     "--tokenizer-mode": STR,
     "--revision": STR,
 }
@@ -44,6 +56,17 @@ class VllmServer(BackendAdapter):
     formats = ("huggingface",)
     health_path = "/health"
     ready_hints = ("Uvicorn running on", "Application startup complete")
+    native_routes = frozenset({"/v1/responses", "/v1/messages", "/v1/messages/count_tokens"})
+
+    def serves(self, path: str, version: str = "") -> bool:
+        """/v1/responses since 0.10; Anthropic's /v1/messages in the OpenAI server only in recent
+        versions, so without a known version >= 0.12 the proxy translates it to chat completions."""
+        parsed = parse_version(version)
+        if path == "/v1/responses":
+            return not parsed or parsed >= RESPONSES_SINCE
+        if path.startswith("/v1/messages"):
+            return bool(parsed) and parsed >= MESSAGES_SINCE
+        return super().serves(path, version)
 
     def load_timeout_s(self) -> int:
         return settings.LOAD_TIMEOUT_VLLM_S
@@ -57,9 +80,17 @@ class VllmServer(BackendAdapter):
             flags["--task"] = "choice:auto|generate|embed|classify|score|reward"
         return flags
 
+    def _check_value(self, flag: str, kind: str, value: object) -> object:
+        checked = super()._check_value(flag, kind, value)
+        if flag == "--trust-remote-code" and checked is True and not settings.ALLOW_TRUST_REMOTE_CODE:
+            # Remote code is Python from the model's repository, run inside the backend.
+            raise InvalidExtraArgs("--trust-remote-code runs the model repository's own Python code; this console "
+                                   "refuses it unless XGEN_ALLOW_TRUST_REMOTE_CODE=true")
+        return checked
+
     def build_command(self, spec: LaunchSpec) -> list[str]:
         cmd = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            spec.python or sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(spec.model_file),
             "--served-model-name", spec.model_name,
             "--host", spec.host,

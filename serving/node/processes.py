@@ -1,13 +1,70 @@
-"""Backend processes on this node: how one exited, /proc readers (state, command line, process
-group, listening sockets), the host a backend binds to, and stopping a whole process group."""
+"""Backend processes on this node: starting one in its own session with its log file, how one
+exited, /proc readers (state, command line, process group, listening sockets), and stopping a
+whole process group."""
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import os
+import shlex
 import signal
 import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+
+
+@dataclass
+class BackendProcess:
+    """A backend's process group: one this agent started (`proc`, reaped with waitpid), or one a
+    previous agent started and this one adopted (only its parent may waitpid it: polled)."""
+
+    pid: int
+    pgid: int
+    proc: asyncio.subprocess.Process | None = None
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.returncode if self.proc is not None else None
+
+    def exited(self) -> bool:
+        if self.proc is not None:
+            return self.proc.returncode is not None
+        return not pid_alive(self.pid)
+
+    async def wait(self) -> int | None:
+        """Until the process ends: its exit code (None for an adopted one)."""
+        if self.proc is not None:
+            return await self.proc.wait()
+        while pid_alive(self.pid):
+            await asyncio.sleep(0.5)
+        return None
+
+    async def stop(self, grace_s: float) -> None:
+        """SIGTERM the group, wait `grace_s`, SIGKILL the group, reap."""
+        await stop_group(self.pgid, proc=self.proc, pid=self.pid, grace_s=grace_s)
+
+    def kill_rest(self) -> None:
+        """SIGKILL whatever is left of the group (after the backend itself died)."""
+        kill_group(self.pgid)
+
+
+async def spawn_backend(argv: Sequence[str], *, env: Mapping[str, str], log_path: Path,
+                        previous_log: Path | None = None) -> BackendProcess:
+    """Start a backend in its own session (pgid == pid), stdout+stderr straight into `log_path`
+    (so the log survives the agent), the command line as its first line. A non-empty log of the
+    run before is kept as `previous_log`. Arguments are a list, never a shell line."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    if previous_log is not None and log_path.exists() and log_path.stat().st_size:
+        log_path.replace(previous_log)
+    with open(log_path, "ab") as fh:
+        fh.write(f"$ {shlex.join(argv)}\n".encode())
+        fh.flush()
+        proc = await asyncio.create_subprocess_exec(
+            *argv, stdin=asyncio.subprocess.DEVNULL, stdout=fh, stderr=asyncio.subprocess.STDOUT,
+            env=dict(env), cwd=str(log_path.parent), start_new_session=True,
+        )
+    return BackendProcess(pid=proc.pid, pgid=proc.pid, proc=proc)  # own session: pgid == pid
 
 
 def describe_exit(code: int | None) -> str:
@@ -97,11 +154,6 @@ def listener_is_ours(pgid: int | None, port: int) -> bool:
             if link.startswith("socket:[") and link[8:-1] in inodes:
                 return True
     return False
-
-
-def bind_host(node_address: str) -> str:
-    """Backends listen only where web processes reach them (the node's address), never on every interface."""
-    return "127.0.0.1" if node_address in ("", "localhost") else node_address
 
 
 def url_host(host: str) -> str:

@@ -4,59 +4,68 @@ Controller pattern: the database holds each instance's desired state; `reconcile
 the processes match (a nudge runs it at once, and it runs every RECONCILE_INTERVAL_S).
 
 One instance, one `BackendRun`: its lifecycle task walks PENDING -> CACHING -> LOADING ->
-WARMING -> READY, then watches the process; a crash of a READY backend goes to ERROR and is
-restarted with exponential backoff. The backend writes stdout+stderr straight into its log
-file (so it survives the agent), and a tailer follows that file into the page, the log tail
-in the database, and the ready hint.
+WARMING -> READY from the instance's LaunchPlan, then watches the process; a crash of a READY
+backend goes to ERROR and is restarted with exponential backoff. Process work (spawning into
+its own session, killing the group) is serving.node.processes; following the log file into
+the page and the database is serving.node.logs.LogTailer. Stopping kills first, from what is
+known here, and records afterwards: a database that fails never keeps a backend running.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
+import sys
+import threading
 import time
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import httpx
 from django.conf import settings
-from django.utils import timezone
 
+from hub import layout
+from hub.cache import resolve_model_path, sync_to_cache
 from live.db import db_async
 from serving import events
-from serving.adapters import BackendAdapter, LaunchSpec, get_adapter
-from serving.models import ACTIVE_STATES, DesiredState, InstanceState, ModelInstance
-from serving.node.logs import current_log, previous_log
+from serving.adapters import BackendAdapter, get_adapter
+from serving.adapters.base import backend_environment
+from serving.models import (
+    ACTIVE_STATES,
+    TRANSITIONS,
+    DesiredState,
+    IllegalTransition,
+    InstanceState,
+    ModelInstance,
+)
+from serving.node.logs import TAIL_POLL_S, LogTailer, current_log, previous_log
 from serving.node.processes import (
-    bind_host,
+    BackendProcess,
     describe_exit,
-    kill_group,
     listener_is_ours,
     pid_alive,
     proc_cmdline,
-    stop_group,
+    spawn_backend,
     url_host,
 )
 from serving.node.worker import AgentWorker
-from serving.placement import PlacementError, pick_port
-from serving.selection import choose_backend, node_gpu_type
-from serving.services import gguf_in_dir, save_log_tail, transition
+from serving.placement import PlacementError, bind_host, pick_port
+from serving.planning import LaunchPlan, LoadRefused, plan_for_instance, stored_plan
+from serving.services import instances_for_node, save_log_tail
 
 if TYPE_CHECKING:
     from serving.node.agent import NodeAgent
 
 log = logging.getLogger("xgen.supervisor")
 
-TAIL_LINES = 50
-TAIL_FLUSH_S = 0.5
-TAIL_POLL_S = 0.1
 HEALTH_POLL_S = 0.25
 HEALTH_POLL_FAST_S = 0.05  # for the first seconds: small models are up in well under one
 FAST_POLL_FOR_S = 10
 WARMUP_TIMEOUT_S = 120
+PROGRESS_EVERY_S = 0.5
 
 LOADED, LOAD_FAILED, CRASHED, STOPPED = "loaded", "load_failed", "crashed", "stopped"
 
@@ -72,53 +81,54 @@ def _db(fn):
     return db_async(fn, thread_sensitive=True)
 
 
-db_transition = _db(transition)
-db_save_tail = _db(save_log_tail)
-
-
 def _get(instance_id: int) -> ModelInstance | None:
     return ModelInstance.objects.select_related("node").filter(pk=instance_id).first()
 
 
+def _mark(instance_id: int, mark, *args, **kwargs) -> ModelInstance:
+    """Apply one of ModelInstance's state changes (`ModelInstance.mark_ready`, ...) to the instance."""
+    return mark(ModelInstance.objects.select_related("node").get(pk=instance_id), *args, **kwargs)
+
+
+def _progress(instance_id: int, pct: float) -> None:
+    inst = _get(instance_id)
+    if inst is not None:
+        inst.set_progress(pct)
+
+
 db_get = _db(_get)
+db_mark = _db(_mark)
+db_progress = _db(_progress)
+db_save_tail = _db(save_log_tail)
 
 
 @dataclass
 class BackendRun:
-    """One instance's process on this node, as far as the supervisor knows it."""
+    """One instance's process on this node, as far as the supervisor knows it (enough to kill it
+    without asking the database)."""
 
     instance_id: int
     adapter: BackendAdapter | None = None
-    model_name: str = ""
-    server_type: str = "llm"
+    plan: LaunchPlan | None = None
     port: int | None = None
-    proc: asyncio.subprocess.Process | None = None
-    pid: int | None = None
-    pgid: int | None = None
+    host: str = "127.0.0.1"
+    process: BackendProcess | None = None
     adopted: bool = False
     stopping: bool = False
-    spec: LaunchSpec | None = None
-    tail: deque = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
-    ready_hint: asyncio.Event = field(default_factory=asyncio.Event)
+    tailer: LogTailer | None = None
+    cancel_copy: threading.Event | None = None  # set to stop a copy into the cache
     lifecycle: asyncio.Task | None = None
-    tailer: asyncio.Task | None = None
     stopper: asyncio.Task | None = None
 
     def last_lines(self, n: int = 12) -> str:
-        return "\n".join(list(self.tail)[-n:])
+        return self.tailer.last_lines(n) if self.tailer else ""
 
-    async def wait_exit(self) -> int | None:
-        """Until the process ends: its exit code (None for an adopted process we cannot waitpid)."""
-        if self.proc is not None:
-            return await self.proc.wait()
-        while self.pid and pid_alive(self.pid):
-            await asyncio.sleep(0.5)
-        return None
+    @property
+    def tail(self) -> list[str]:
+        return list(self.tailer.tail) if self.tailer else []
 
     def exited(self) -> bool:
-        if self.proc is not None:
-            return self.proc.returncode is not None
-        return not (self.pid and pid_alive(self.pid))
+        return self.process is None or self.process.exited()
 
 
 class Supervisor(AgentWorker):
@@ -130,6 +140,7 @@ class Supervisor(AgentWorker):
         self.runs: dict[int, BackendRun] = {}
         self.http: httpx.AsyncClient | None = None
         self.agent: NodeAgent | None = None
+        self.closing = False
 
     # ------------------------------------------------------------ agent hooks
     async def start(self, agent: NodeAgent) -> None:
@@ -153,10 +164,11 @@ class Supervisor(AgentWorker):
             await agent.wait_for_nudge(settings.RECONCILE_INTERVAL_S)
 
     async def stop(self, agent: NodeAgent) -> None:
-        await asyncio.gather(
-            *(self.stop_instance(pk, "node agent stopped", keep_desired=True) for pk in list(self.runs)),
-            return_exceptions=True,
-        )
+        """Stop every backend this agent runs (they start again with the next agent)."""
+        self.closing = True
+        stops = [run.stopper or self.stop_instance(pk, "node agent stopped", keep_desired=True)
+                 for pk, run in list(self.runs.items())]
+        await asyncio.gather(*stops, return_exceptions=True)
         if self.http is not None:
             await self.http.aclose()
 
@@ -169,14 +181,9 @@ class Supervisor(AgentWorker):
             await asyncio.sleep(0.2)
 
     # ------------------------------------------------------------ reconcile
-    def _instances(self) -> list[ModelInstance]:
-        from serving.services import instances_for_node
-
-        return instances_for_node(self.agent.name)
-
     async def reconcile(self) -> None:
         """Make this node's processes match the desired state in the database."""
-        instances = await _db(self._instances)()
+        instances = await _db(instances_for_node)(self.agent.name)
         seen = set()
         for inst in instances:
             seen.add(inst.pk)
@@ -187,8 +194,7 @@ class Supervisor(AgentWorker):
                 if run is not None:
                     run.stopper = asyncio.create_task(self.stop_instance(inst.pk, "unload requested"))
                 elif inst.state in ACTIVE_STATES:
-                    await db_transition(inst.pk, InstanceState.STOPPED, "unloaded", gpus=[], port=None, pid=None,
-                                        pgid=None, stopped_at=timezone.now(), progress_pct=None)
+                    await self._record(inst.pk, ModelInstance.mark_stopped, "unloaded")
                 continue
             if run is not None and inst.restart_requested:
                 run.stopper = asyncio.create_task(self._restart(inst.pk))
@@ -206,13 +212,14 @@ class Supervisor(AgentWorker):
         await _db(lambda: ModelInstance.objects.filter(pk=instance_id).update(restart_requested=False))()
         await self.stop_instance(instance_id, "restart requested", keep_desired=True)
         inst = await db_get(instance_id)
-        if inst is not None and inst.desired_state == DesiredState.RUNNING:
-            inst = await db_transition(instance_id, InstanceState.PENDING, "restarting", restarts=0)
+        if inst is not None and inst.desired_state == DesiredState.RUNNING and not self.closing:
+            inst = await db_mark(instance_id, ModelInstance.mark_pending, "restarting", restarts=0)
             self._launch(inst)
 
-    def _launch(self, inst: ModelInstance, run: BackendRun | None = None) -> BackendRun:
+    def _launch(self, inst: ModelInstance, run: BackendRun | None = None) -> BackendRun | None:
+        if self.closing:
+            return None
         run = run or BackendRun(instance_id=inst.pk)
-        run.model_name, run.server_type = inst.model_name, inst.type
         self.runs[inst.pk] = run
         run.lifecycle = asyncio.create_task(self._lifecycle(run), name=f"backend-{inst.pk}")
         return run
@@ -220,190 +227,165 @@ class Supervisor(AgentWorker):
     # ------------------------------------------------------------ lifecycle
     async def _lifecycle(self, run: BackendRun) -> None:
         try:
-            outcome = CRASHED if run.adopted else None
-            if run.adopted:
-                outcome = await self._watch_ready(run)
-            else:
-                outcome = await self._run_once(run)
+            outcome = await (self._watch_ready(run) if run.adopted else self._run_once(run))
             while outcome == CRASHED and not run.stopping:
                 inst = await db_get(run.instance_id)
                 if inst is None or inst.desired_state != DesiredState.RUNNING:
                     return
                 if inst.restarts >= settings.RESTART_LIMIT:
-                    await db_transition(run.instance_id, InstanceState.ERROR,
-                                        f"gave up after {inst.restarts} restarts; last error: {inst.last_error[:300]}")
+                    await db_mark(run.instance_id, ModelInstance.mark_error,
+                                  f"gave up after {inst.restarts} restarts; last error: {inst.last_error[:300]}")
                     return
                 delay = settings.RESTART_BACKOFF_S * (2 ** inst.restarts)
-                await db_transition(run.instance_id, InstanceState.ERROR,
-                                    f"{inst.state_message[:300]}; restarting in {delay} s", event=False)
+                await db_mark(run.instance_id, ModelInstance.mark_error,
+                              f"{inst.state_message[:300]}; restarting in {delay} s", event=False)
                 await asyncio.sleep(delay)
                 if run.stopping:
                     return
-                await db_transition(run.instance_id, InstanceState.PENDING,
-                                    f"restart {inst.restarts + 1} of {settings.RESTART_LIMIT} after a crash",
-                                    restarts=inst.restarts + 1)
+                await db_mark(run.instance_id, ModelInstance.mark_pending,
+                              f"restart {inst.restarts + 1} of {settings.RESTART_LIMIT} after a crash",
+                              restarts=inst.restarts + 1)
                 run.adopted = False
                 outcome = await self._run_once(run)
         except asyncio.CancelledError:
             raise
+        except IllegalTransition as exc:  # the row moved under us (an unload, most often): nothing may run
+            log.info("instance %s changed while starting (%s); stopping its backend", run.instance_id, exc)
+            await self._kill(run)
         except Exception as exc:
             log.exception("backend lifecycle of instance %s failed", run.instance_id)
             with contextlib.suppress(Exception):
                 await self._kill(run)
-                await db_transition(run.instance_id, InstanceState.ERROR, f"supervisor error: {exc}",
-                                    last_error=str(exc), pid=None, pgid=None)
+            await self._record(run.instance_id, ModelInstance.mark_error, f"supervisor error: {exc}",
+                               last_error=str(exc))
         finally:
             if not run.stopping and self.runs.get(run.instance_id) is run:
                 await self._stop_tailer(run)
                 if run.exited():
                     self.runs.pop(run.instance_id, None)
 
-    async def _resolve_model(self, run: BackendRun, inst: ModelInstance) -> Path:
-        """The local file or directory to serve: a store prefix is synced into the node cache first."""
-        if inst.model_path.startswith("/"):
-            path = Path(inst.model_path)
-            if path.is_dir() and not (path / "config.json").is_file():
-                path = gguf_in_dir(path) or path
-            if not path.exists():
-                raise LoadFailed(f"no file or directory at {inst.model_path} on node {inst.node.name}")
-            return path
+    async def _run_once(self, run: BackendRun) -> str:
+        """Start the backend from the instance's plan and bring it to READY, then watch it."""
+        inst = await db_get(run.instance_id)
+        if inst is None:
+            return STOPPED
+        if inst.state != InstanceState.PENDING:  # e.g. STOPPED by the last agent's shutdown, to run again
+            if InstanceState.PENDING not in TRANSITIONS[inst.state]:
+                await db_mark(inst.pk, ModelInstance.mark_stopped, "no backend runs for it here", keep_gpus=True)
+            inst = await db_mark(inst.pk, ModelInstance.mark_pending, "starting it again on this node")
         try:
-            from hub.cache import resolve_model_path, sync_to_cache
-        except ImportError:
-            raise LoadFailed("this console has no node cache yet: load an absolute path") from None
-        await db_transition(run.instance_id, InstanceState.CACHING, "copying from the store: 0%", progress_pct=0.0)
+            plan = run.plan = await _db(plan_for_instance)(inst)
+            run.adapter, run.host = get_adapter(plan.backend), plan.host
+            model_file = await self._resolve_model(run, plan)
+            port = await self._pick_port(inst)
+            argv = plan.command(port=port, model=model_file, python=sys.executable)
+            env = backend_environment(plan.env, os.environ)
+        except (LoadFailed, LoadRefused) as exc:
+            message = exc.message if isinstance(exc, LoadRefused) else str(exc)
+            await db_mark(run.instance_id, ModelInstance.mark_error, message, last_error=message)
+            return LOAD_FAILED
+        except (asyncio.CancelledError, IllegalTransition):
+            raise
+        except Exception as exc:  # a bad row (e.g. an unknown backend) is an ERROR, not a crash loop
+            await db_mark(run.instance_id, ModelInstance.mark_error, f"cannot start: {exc}", last_error=str(exc))
+            return LOAD_FAILED
+        run.port = port
+        log_path = current_log(run.instance_id)
+        run.process = await spawn_backend(argv, env=env, log_path=log_path,
+                                          previous_log=previous_log(run.instance_id))
+        run.adopted = False
+        await db_mark(run.instance_id, ModelInstance.mark_loading, pid=run.process.pid, pgid=run.process.pgid,
+                      port=port, gpus=list(plan.gpus), message=f"starting {plan.backend} on port {port}")
+        self._start_tailer(run, log_path, from_start=True)
+        timeout = run.adapter.load_timeout_s()
+        verdict = await self._wait_healthy(run, timeout)
+        if verdict != "ok":
+            return await self._failed_load(run, verdict)
+        await db_mark(run.instance_id, ModelInstance.mark_warming)
+        warm_error = await self._warm_up(run)
+        if warm_error:
+            return await self._failed_load(run, warm_error)
+        await db_mark(run.instance_id, ModelInstance.mark_ready, f"ready on port {port}")
+        return await self._watch_ready(run)
+
+    async def _resolve_model(self, run: BackendRun, plan: LaunchPlan) -> Path:
+        """The local file or directory to serve: a store prefix is synced into the node cache first
+        (a copy that stops when the run does, leaving no *.part behind)."""
+        if plan.model_path.startswith("/"):
+            path = Path(plan.model_path)
+            if path.is_dir() and not layout.is_hf_folder(path):
+                path = layout.gguf_to_serve(path) or path
+            if not path.exists():
+                raise LoadFailed(f"no file or directory at {plan.model_path} on node {self.agent.name}")
+            return path
+        await db_mark(run.instance_id, ModelInstance.mark_caching, 0.0)
         loop = asyncio.get_running_loop()
         last = {"at": 0.0}
 
         def progress(done: int, total: int) -> None:
             now = time.monotonic()
-            if now - last["at"] < 0.5 and done < total:
+            if now - last["at"] < PROGRESS_EVERY_S and done < total:
                 return
             last["at"] = now
-            pct = 100.0 * done / total if total else 100.0
-            asyncio.run_coroutine_threadsafe(
-                db_transition(run.instance_id, InstanceState.CACHING, f"copying from the store: {pct:.0f}%",
-                              event=False, progress_pct=round(pct, 1)), loop)
+            with contextlib.suppress(RuntimeError):  # the loop is closing: the tick does not matter
+                asyncio.run_coroutine_threadsafe(db_progress(run.instance_id, 100.0 * done / total if total else 100.0),
+                                                 loop)
 
-        fmt = inst.model_path.split("/", 1)[0]  # a validated prefix starts with its format
+        cancel = run.cancel_copy = threading.Event()
+        copy = loop.run_in_executor(None, functools.partial(
+            sync_to_cache, plan.model_path, node_name=self.agent.name, progress=progress, cancel=cancel))
         try:
-            local = await asyncio.to_thread(sync_to_cache, inst.model_path, node_name=inst.node.name, progress=progress)
-            return Path(resolve_model_path(local, fmt))
-        except Exception as exc:
-            raise LoadFailed(f"copying {inst.model_path} from the store failed: {exc}") from exc
-
-    async def _spec_for(self, run: BackendRun, inst: ModelInstance, model_file: Path) -> LaunchSpec:
-        node = inst.node
-        gpu_types = await _db(lambda: list(node.gpus.values_list("type", flat=True)))()
-        # Version, flavour and binary as probed on this node now (the row may predate an upgrade).
-        entry = next((b for b in node.backends if b.get("name") == inst.backend and b.get("available")), None)
-        version, flavour, executable = "", "cpu", ""
-        if entry is not None:
-            gpu_type = node_gpu_type(gpu_types)
+            local = await asyncio.shield(copy)
+        except asyncio.CancelledError:
+            cancel.set()  # the copy stops at its next chunk and removes its partial files
             with contextlib.suppress(Exception):
-                choice = choose_backend(fmt="gguf" if inst.backend != "vllm" else "huggingface", gpu_type=gpu_type,
-                                        backends=node.backends, requested=inst.backend, node_name=node.name)
-                version, flavour, executable = choice.version, choice.flavour, choice.path
+                await copy
+            raise
+        except Exception as exc:
+            raise LoadFailed(f"copying {plan.model_path} from the store failed: {exc}") from exc
+        finally:
+            run.cancel_copy = None
+        return Path(resolve_model_path(local, plan.format))
+
+    async def _pick_port(self, inst: ModelInstance) -> int:
         # Ports of every node on this address count: several agents may share one host.
         taken = set(await _db(lambda: list(ModelInstance.objects.filter(
-            node__address=node.address, state__in=ACTIVE_STATES, port__isnull=False,
+            node__address=inst.node.address, state__in=ACTIVE_STATES, port__isnull=False,
         ).exclude(pk=inst.pk).values_list("port", flat=True)))())
         taken |= {r.port for pk, r in self.runs.items() if pk != inst.pk and r.port}
         try:
-            port = pick_port(taken=taken, prefer=inst.port)
+            return pick_port(taken=taken, prefer=inst.port)
         except PlacementError as exc:
             raise LoadFailed(str(exc)) from None
-        host = bind_host(node.address)
-        return LaunchSpec(
-            model_file=model_file, model_name=inst.model_name, server_type=inst.type, host=host, port=port,
-            gpus=tuple(inst.gpus or ()), gpu_type=(sorted(set(gpu_types))[0] if inst.gpus and gpu_types else ""),
-            flavour=flavour, version=version, executable=executable,
-            tensor_parallel_size=inst.tensor_parallel_size, extra_args=inst.extra_args or {},
-        )
-
-    async def _run_once(self, run: BackendRun) -> str:
-        """Start the backend and bring it to READY, then watch it. Returns how it ended."""
-        inst = await db_get(run.instance_id)
-        if inst is None:
-            return STOPPED
-        run.adapter = get_adapter(inst.backend)
-        run.ready_hint.clear()
-        try:
-            model_file = await self._resolve_model(run, inst)
-            inst = await db_get(run.instance_id)
-            spec = await self._spec_for(run, inst, model_file)
-            cmd = run.adapter.build_command(spec)
-            env = run.adapter.build_env(spec, dict(os.environ))
-        except LoadFailed as exc:
-            await db_transition(run.instance_id, InstanceState.ERROR, str(exc), last_error=str(exc))
-            return LOAD_FAILED
-        except Exception as exc:  # a bad row (e.g. extra_args no longer allowed) is an ERROR, not a crash loop
-            await db_transition(run.instance_id, InstanceState.ERROR, f"cannot start: {exc}", last_error=str(exc))
-            return LOAD_FAILED
-        run.spec, run.port = spec, spec.port
-        log_path = current_log(run.instance_id)
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        if log_path.exists() and log_path.stat().st_size:
-            log_path.replace(previous_log(run.instance_id))  # keep the last run's log (crash, restart)
-        run.tail.clear()
-        with open(log_path, "ab") as fh:
-            fh.write(f"$ {' '.join(cmd)}\n".encode())
-            fh.flush()
-            run.proc = await asyncio.create_subprocess_exec(
-                *cmd, stdin=asyncio.subprocess.DEVNULL, stdout=fh, stderr=asyncio.subprocess.STDOUT,
-                env=env, cwd=str(log_path.parent), start_new_session=True,
-            )
-        run.pid = run.pgid = run.proc.pid  # own session: pgid == pid
-        run.adopted = False
-        await db_transition(
-            run.instance_id, InstanceState.LOADING, f"starting {inst.backend} on port {spec.port}",
-            port=spec.port, pid=run.pid, pgid=run.pgid, started_at=timezone.now(), exit_code=None,
-            progress_pct=None, log_tail=[], ready_at=None,
-        )
-        run.tailer = asyncio.create_task(self._tail(run, log_path, from_start=True))
-        timeout = run.adapter.load_timeout_s()
-        verdict = await self._wait_healthy(run, timeout)
-        if verdict != "ok":
-            return await self._failed_load(run, verdict)
-        await db_transition(run.instance_id, InstanceState.WARMING, "sending one warm-up request")
-        warm_error = await self._warm_up(run)
-        if warm_error:
-            return await self._failed_load(run, warm_error)
-        await db_transition(run.instance_id, InstanceState.READY, f"ready on port {spec.port}", ready_at=timezone.now())
-        return await self._watch_ready(run)
 
     async def _failed_load(self, run: BackendRun, verdict: str) -> str:
         if run.exited():
-            code = run.proc.returncode if run.proc else None
             await asyncio.sleep(TAIL_POLL_S * 3)  # let the tailer catch the last lines
-            message = f"{run.adapter.label} {describe_exit(code)} while loading"
+            message = f"{run.adapter.label} {describe_exit(run.process.returncode)} while loading"
         else:
             message = verdict
             await self._kill(run)
-            code = run.proc.returncode if run.proc else None
+        code = run.process.returncode
         await self._stop_tailer(run)
-        last = run.last_lines()
-        await db_transition(run.instance_id, InstanceState.ERROR, message,
-                            last_error=f"{message}\n{last}".strip(), exit_code=code, pid=None, pgid=None,
-                            log_tail=list(run.tail), stopped_at=timezone.now())
+        await db_mark(run.instance_id, ModelInstance.mark_error, message,
+                      last_error=f"{message}\n{run.last_lines()}".strip(), exit_code=code, log_tail=run.tail)
         return LOAD_FAILED
 
     async def _watch_ready(self, run: BackendRun) -> str:
-        code = await run.wait_exit()
+        code = await run.process.wait()
         if run.stopping:
             return STOPPED
         await asyncio.sleep(TAIL_POLL_S * 3)
         await self._stop_tailer(run)
-        kill_group(run.pgid)  # nothing of the dead backend's group may linger
+        run.process.kill_rest()  # nothing of the dead backend's group may linger
         message = f"{run.adapter.label if run.adapter else 'backend'} {describe_exit(code)} while READY"
-        await db_transition(run.instance_id, InstanceState.ERROR, message,
-                            last_error=f"{message}\n{run.last_lines()}".strip(), exit_code=code, pid=None, pgid=None,
-                            log_tail=list(run.tail))
+        await db_mark(run.instance_id, ModelInstance.mark_error, message,
+                      last_error=f"{message}\n{run.last_lines()}".strip(), exit_code=code, log_tail=run.tail)
         return CRASHED
 
     async def _wait_healthy(self, run: BackendRun, timeout: float) -> str:
         """'ok' once the backend's own health answers; else why not (exited / timed out)."""
-        url = f"http://{url_host(run.spec.host)}:{run.port}{run.adapter.health_path}"
+        url = f"http://{url_host(run.host)}:{run.port}{run.adapter.health_path}"
         started = time.monotonic()
         deadline = started + timeout
         while time.monotonic() < deadline:
@@ -411,21 +393,22 @@ class Supervisor(AgentWorker):
                 return "exited"
             try:
                 r = await self.http.get(url, timeout=2.0)
-                if r.status_code == 200 and await asyncio.to_thread(listener_is_ours, run.pgid, run.port):
+                if r.status_code == 200 and await asyncio.to_thread(listener_is_ours, run.process.pgid, run.port):
                     return "ok"
             except httpx.HTTPError:
                 pass
             # A ready line in the log only makes the next poll come sooner.
+            hint = run.tailer.ready_hint
             with contextlib.suppress(TimeoutError):
                 fast = time.monotonic() - started < FAST_POLL_FOR_S
-                await asyncio.wait_for(run.ready_hint.wait(), HEALTH_POLL_FAST_S if fast else HEALTH_POLL_S)
-            run.ready_hint.clear()
+                await asyncio.wait_for(hint.wait(), HEALTH_POLL_FAST_S if fast else HEALTH_POLL_S)
+            hint.clear()
         return f"{run.adapter.label} did not answer {run.adapter.health_path} within {timeout:g} s"
 
     async def _warm_up(self, run: BackendRun) -> str | None:
-        path, body = run.adapter.warmup_request(run.spec)
+        path, body = run.adapter.warmup_request(run.plan)
         try:
-            r = await self.http.post(f"http://{url_host(run.spec.host)}:{run.port}{path}", json=body,
+            r = await self.http.post(f"http://{url_host(run.host)}:{run.port}{path}", json=body,
                                      timeout=WARMUP_TIMEOUT_S)
         except httpx.HTTPError as exc:
             return f"the warm-up request to {path} failed: {exc.__class__.__name__}"
@@ -434,63 +417,51 @@ class Supervisor(AgentWorker):
         return None
 
     # ------------------------------------------------------------ log tailing
-    async def _tail(self, run: BackendRun, path: Path, *, from_start: bool) -> None:
-        hints = run.adapter.ready_hints if run.adapter else ()
-        last_flush, dirty = 0.0, False
-        try:
-            with open(path, "rb") as fh:
-                if not from_start:
-                    fh.seek(max(0, path.stat().st_size - 16384))
-                    for line in fh.read().decode(errors="replace").splitlines()[-TAIL_LINES:]:
-                        run.tail.append(line[:2000])
-                partial = b""
-                while True:
-                    chunk = fh.read(65536)
-                    if chunk:
-                        data = partial + chunk
-                        *lines, partial = data.split(b"\n")
-                        texts = [ln.decode(errors="replace").rstrip("\r")[:2000] for ln in lines]
-                        for text in texts:
-                            run.tail.append(text)
-                            if any(h in text for h in hints):
-                                run.ready_hint.set()
-                        if texts:
-                            dirty = True
-                            await events.log_lines(run.instance_id, texts, fh.tell() - len(partial))
-                    if dirty and time.monotonic() - last_flush >= TAIL_FLUSH_S:
-                        await db_save_tail(run.instance_id, list(run.tail))
-                        last_flush, dirty = time.monotonic(), False
-                    if not chunk:
-                        await asyncio.sleep(TAIL_POLL_S)
-        except asyncio.CancelledError:
-            if dirty:
-                with contextlib.suppress(Exception):
-                    await db_save_tail(run.instance_id, list(run.tail))
-            raise
-        except OSError:
-            log.warning("cannot follow %s", path, exc_info=True)
+    def _start_tailer(self, run: BackendRun, path: Path, *, from_start: bool) -> None:
+        instance_id = run.instance_id
+
+        async def on_lines(lines: list[str], offset: int) -> None:
+            await events.log_lines(instance_id, lines, offset)
+
+        async def on_flush(lines: list[str]) -> None:
+            await db_save_tail(instance_id, lines)
+
+        run.tailer = LogTailer(path, hints=run.adapter.ready_hints if run.adapter else (),
+                               on_lines=on_lines, on_flush=on_flush)
+        run.tailer.start(from_start=from_start)
 
     async def _stop_tailer(self, run: BackendRun) -> None:
         if run.tailer is not None:
-            run.tailer.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await run.tailer
-            run.tailer = None
+            await run.tailer.stop()
 
     # ------------------------------------------------------------ stopping
     async def _kill(self, run: BackendRun) -> None:
         """SIGTERM the process group, wait STOP_GRACE_S, SIGKILL the group, reap."""
-        await stop_group(run.pgid, proc=run.proc, pid=run.pid, grace_s=settings.STOP_GRACE_S)
+        if run.process is not None:
+            await run.process.stop(settings.STOP_GRACE_S)
+
+    async def _record(self, instance_id: int, mark, *args, **kwargs) -> None:
+        """A state change that must not stop what follows: a move the row no longer allows (it got
+        there already) is skipped, a failing database is logged (the next agent start reconciles)."""
+        try:
+            await db_mark(instance_id, mark, *args, **kwargs)
+        except (IllegalTransition, ModelInstance.DoesNotExist):
+            pass
+        except Exception:
+            log.warning("could not record %s of instance %s; the next agent start reconciles it",
+                        getattr(mark, "__name__", mark), instance_id, exc_info=True)
 
     async def stop_instance(self, instance_id: int, reason: str, *, keep_desired: bool = False) -> None:
-        """Stop the backend of an instance: UNLOADING, kill the group, reap, STOPPED with port and GPUs freed."""
+        """Stop the backend of an instance: kill its group and reap it from what this agent knows,
+        while UNLOADING is recorded; then STOPPED, with the port (and the GPUs unless
+        `keep_desired`) freed. The kill never waits on the database."""
         run = self.runs.get(instance_id)
         if run is None:
             return
         run.stopping = True
-        inst = await db_get(instance_id)
-        if inst is not None and inst.state != InstanceState.STOPPED:
-            await db_transition(instance_id, InstanceState.UNLOADING, reason)
+        unloading = asyncio.create_task(self._record(instance_id, ModelInstance.mark_unloading, reason))
+        if run.cancel_copy is not None:
+            run.cancel_copy.set()
         if run.lifecycle is not None and not run.lifecycle.done():
             run.lifecycle.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -498,19 +469,16 @@ class Supervisor(AgentWorker):
         await self._kill(run)
         await self._stop_tailer(run)
         self.runs.pop(instance_id, None)
-        if inst is not None:
-            fields = {"pid": None, "pgid": None, "port": None, "stopped_at": timezone.now(), "progress_pct": None,
-                      "exit_code": run.proc.returncode if run.proc else None}
-            if not keep_desired:
-                fields["gpus"] = []
-            await db_transition(instance_id, InstanceState.STOPPED, reason, **fields)
+        await unloading
+        await self._record(instance_id, ModelInstance.mark_stopped, reason, keep_gpus=keep_desired,
+                           exit_code=run.process.returncode if run.process else None)
 
     # ------------------------------------------------------------ agent restart
     def _recorded(self) -> list[ModelInstance]:
         return list(ModelInstance.objects.select_related("node").filter(node__name=self.agent.name, pid__isnull=False))
 
     def _interrupted(self) -> list[ModelInstance]:
-        return list(ModelInstance.objects.filter(
+        return list(ModelInstance.objects.select_related("node").filter(
             node__name=self.agent.name, pid__isnull=True, desired_state=DesiredState.RUNNING,
             state__in=(InstanceState.CACHING, InstanceState.LOADING, InstanceState.WARMING)))
 
@@ -518,36 +486,40 @@ class Supervisor(AgentWorker):
         """Backends a previous agent started: adopt the healthy ones, stop the rest. Loads it left
         half done with no process (a copy into the cache) go back to PENDING, saying why."""
         for inst in await _db(self._interrupted)():
-            await db_transition(inst.pk, InstanceState.PENDING,
-                                f"the node agent restarted while {inst.state}; starting the load again",
-                                progress_pct=None)
+            await db_mark(inst.pk, ModelInstance.mark_pending,
+                          f"the node agent restarted while {inst.state}; starting the load again")
         for inst in await _db(self._recorded)():
             pid, pgid = inst.pid, inst.pgid or inst.pid
             cmd = proc_cmdline(pid) if pid_alive(pid) else []
             ours = bool(cmd) and inst.model_name in cmd and str(inst.port) in cmd
             if not ours:
-                await db_transition(inst.pk, InstanceState.STOPPED if inst.state in ACTIVE_STATES else inst.state,
-                                    "backend gone after an agent restart", pid=None, pgid=None)
+                if inst.state in ACTIVE_STATES:
+                    await db_mark(inst.pk, ModelInstance.mark_stopped, "backend gone after an agent restart",
+                                  keep_gpus=True)
+                else:
+                    await _db(inst.forget_process)()
                 continue
-            adapter = get_adapter(inst.backend)
-            run = BackendRun(instance_id=inst.pk, adapter=adapter, model_name=inst.model_name, server_type=inst.type,
-                             port=inst.port, pid=pid, pgid=pgid, adopted=True)
+            plan = stored_plan(inst)
+            adapter = get_adapter(plan.backend if plan else inst.backend)
+            run = BackendRun(instance_id=inst.pk, adapter=adapter, plan=plan, port=inst.port,
+                             host=plan.host if plan else bind_host(inst.node.address),
+                             process=BackendProcess(pid=pid, pgid=pgid), adopted=True)
             healthy = False
             if inst.state == InstanceState.READY:
                 try:
-                    host = url_host(bind_host(inst.node.address))
-                    r = await self.http.get(f"http://{host}:{inst.port}{adapter.health_path}", timeout=3.0)
+                    r = await self.http.get(f"http://{url_host(run.host)}:{inst.port}{adapter.health_path}",
+                                            timeout=3.0)
                     healthy = r.status_code == 200 and await asyncio.to_thread(listener_is_ours, pgid, inst.port)
                 except httpx.HTTPError:
                     healthy = False
             if healthy:
                 self.runs[inst.pk] = run
-                run.tailer = asyncio.create_task(self._tail(run, current_log(inst.pk), from_start=False))
-                await db_transition(inst.pk, InstanceState.READY, f"adopted after an agent restart (pid {pid})")
+                self._start_tailer(run, current_log(inst.pk), from_start=False)
+                await db_mark(inst.pk, ModelInstance.mark_ready, f"adopted after an agent restart (pid {pid})",
+                              adopted=True)
                 self._launch(inst, run)
                 log.info("adopted backend pid %s of %s", pid, inst)
             else:
                 await self._kill(run)
-                await db_transition(inst.pk, InstanceState.STOPPED,
-                                    f"stopped a backend the previous agent left {inst.state} (pid {pid})",
-                                    pid=None, pgid=None, port=None)
+                await db_mark(inst.pk, ModelInstance.mark_stopped,
+                              f"stopped a backend the previous agent left {inst.state} (pid {pid})", keep_gpus=True)

@@ -16,17 +16,22 @@ models, rpm/tpm and token quotas through serving.proxy.limits), and every reques
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import re
+import time
 import uuid
+from dataclasses import dataclass
 
 from django.conf import settings
 
 from accounts.credentials import Principal, authenticate
 from accounts.errors import ErrorAnswer, error_body
-from live.db import DatabaseUnavailable
-from serving.proxy import metrics
+from live.db import DatabaseUnavailable, run_db
+from serving.adapters import ADAPTERS
+from serving.fleet_metrics import render_fleet
+from serving.proxy import anthropic, metrics
 from serving.proxy.errors import ProxyError
 from serving.proxy.limits import limiter
 from serving.proxy.replicas import Backend, routing_table
@@ -38,31 +43,65 @@ log = logging.getLogger("xgen.proxy")
 PROXY_PREFIXES = ("/v1/", "/api/inference/", "/metrics")
 INFERENCE_PREFIX = "/api/inference"
 
-# Operation by path (after the /api/inference and /embedding prefixes are taken off).
-OPERATIONS = {
-    "/v1/models": ("GET", "models", None),
-    "/v1/chat/completions": ("POST", "chat", "llm"),
-    "/v1/completions": ("POST", "completions", "llm"),
-    "/v1/embeddings": ("POST", "embeddings", "embedding"),
+# Paths whose kind of model is fixed (after the /api/inference and /embedding prefixes are taken
+# off): a named model of another type is refused, and without a `model` the kind picks one.
+PATH_KINDS = {
+    "/v1/chat/completions": "llm",
+    "/v1/completions": "llm",
+    "/v1/responses": "llm",
+    "/v1/messages": "llm",
+    "/v1/messages/count_tokens": "llm",
+    "/v1/embeddings": "embedding",
+    "/infill": "llm",
+    "/apply-template": "llm",
 }
+# The engines' own routes outside /v1/ that take a model, reachable as /api/inference/<route>.
+ENGINE_ROUTES = frozenset({"tokenize", "detokenize", "apply-template", "infill", "rerank", "score", "pooling",
+                           "classify"})
+# Any other POST /v1/<path> is forwarded as is; the path is checked to be plain segments.
+FORWARD_PATH_RE = re.compile(r"/v1(?:/[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}){1,6}")
 
 REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 
 
+@dataclass(frozen=True)
+class Route:
+    """What a proxy path asks for: the method, `models` / `model` / `forward`, the kind of model
+    (None: any), whether it came by the explicit embedding prefix, and the backend's path."""
+
+    method: str
+    operation: str
+    kind: str | None
+    embedding_only: bool
+    upstream_path: str = ""
+
 
 # ---------------------------------------------------------------- routing
-def resolve_operation(path: str) -> tuple[str, str, str | None, bool]:
-    """(method, operation, kind, embedding_only) for a proxy path; ProxyError 404 if unknown."""
-    rest = path[len(INFERENCE_PREFIX):] if path.startswith(INFERENCE_PREFIX + "/") else path
+def resolve_route(path: str) -> Route:
+    """The route for a proxy path; ProxyError 404 if unknown."""
+    inference = path.startswith(INFERENCE_PREFIX + "/")
+    rest = path[len(INFERENCE_PREFIX):] if inference else path
     embedding_only = rest.startswith("/embedding/v1/")
     if embedding_only:
         rest = rest[len("/embedding"):]
-    op = OPERATIONS.get(rest)
-    if op is not None and not (embedding_only and op[1] in ("chat", "completions")):
-        return op[0], op[1], ("embedding" if embedding_only else op[2]), embedding_only
+    if rest == "/v1/models":
+        return Route("GET", "models", None, embedding_only)
     if rest.startswith("/v1/models/") and len(rest) > len("/v1/models/"):
-        return "GET", "model", None, embedding_only
+        return Route("GET", "model", None, embedding_only)
+    if embedding_only:
+        if rest == "/v1/embeddings":
+            return Route("POST", "forward", "embedding", True, rest)
+    elif FORWARD_PATH_RE.fullmatch(rest):
+        return Route("POST", "forward", PATH_KINDS.get(rest), False, rest)
+    elif inference and rest[1:] in ENGINE_ROUTES:
+        return Route("POST", "forward", PATH_KINDS.get(rest), False, rest)
     raise ProxyError(404, f"Unknown inference path {path}.", code="not_found")
+
+
+def resolve_operation(path: str) -> tuple[str, str, str | None, bool]:
+    """(method, operation, kind, embedding_only) for a proxy path (resolve_route's older face)."""
+    route = resolve_route(path)
+    return route.method, route.operation, route.kind, route.embedding_only
 
 
 def _model_entry(backends: list[Backend]) -> dict:
@@ -75,6 +114,7 @@ def _model_entry(backends: list[Backend]) -> dict:
         "type": first.type,
         "backend": first.backend,
         "node": first.node,
+        "aliases": sorted({a for b in backends for a in b.aliases}),
         "replicas": len(backends),
         "instances": [{"id": b.instance_id, "node": b.node, "backend": b.backend, "in_flight": b.in_flight}
                       for b in backends],
@@ -96,8 +136,9 @@ async def get_model(name: str, *, kind: str | None = None, principal: Principal 
     """One READY model by served name; ProxyError 404 model_not_found otherwise (also for a model
     the key may not use: it is not in the key's list)."""
     snap = await routing_table.snapshot()
-    group = snap.by_name.get(name)
-    if not group or (kind is not None and group[0].type != kind) or (principal and not principal.may_use(name)):
+    served = snap.served_name(name)
+    group = snap.by_name.get(served)
+    if not group or (kind is not None and group[0].type != kind) or (principal and not principal.may_use(served)):
         raise ProxyError(404, f"The model '{name}' does not exist or is not ready.", code="model_not_found")
     return _model_entry(group)
 
@@ -123,9 +164,10 @@ async def candidates_for(payload: dict, *, kind: str | None, principal: Principa
     if model is not None:
         if not isinstance(model, str) or not model:
             raise ProxyError(400, "`model` must be a non-empty string.", code="invalid_request")
-        if principal is not None and not principal.may_use(model):
+        served = snap.served_name(model)
+        if principal is not None and not principal.may_use(served):
             raise _not_allowed(model)
-        group = snap.by_name.get(model)
+        group = snap.by_name.get(served)
         if group:
             return group
         if model in snap.known_names:
@@ -239,6 +281,7 @@ async def proxy_app(scope, receive, send) -> None:
     """ASGI entry for `/v1/`, `/api/inference/` and `/metrics`."""
     if scope["type"] != "http":
         return
+    started = time.perf_counter()
     headers = dict(scope["headers"])
     request_id = request_id_from(headers)
     state = {"started": False}
@@ -253,7 +296,7 @@ async def proxy_app(scope, receive, send) -> None:
 
     try:
         try:
-            await _handle(scope, receive, tracked_send, headers, ctx)
+            await _handle(scope, receive, tracked_send, headers, ctx, started)
         except DatabaseUnavailable as exc:
             # A key or session lookup, or the first routing table, needs the database and it is
             # down (restarting): a clean, retryable answer; the next request tries again.
@@ -266,61 +309,244 @@ async def proxy_app(scope, receive, send) -> None:
         if ctx.principal is not None:
             recorder.record_refused(ctx, status=exc.status, code=exc.code)
         if not state["started"]:
-            await _send_json(send, exc.status, exc.body(), request_id=request_id,
-                             headers=exc.headers + ctx.rate_headers)
+            body = _error_for_path(scope["path"], exc.status, exc.message, exc.body())
+            await _send_json(send, exc.status, body, request_id=request_id,
+                             headers=[*(exc.headers or []), *ctx.rate_headers, server_timing(started)])
     except Exception:
         log.exception("proxy failed on %s %s (request %s)", scope.get("method"), scope.get("path"), request_id)
         if ctx.principal is not None:
             recorder.record_refused(ctx, status=500, code="internal_error")
         if not state["started"]:
-            body = json.dumps(error_body("Internal proxy error; the server log has the details.",
-                                         status=500, code="internal_error")).encode()
-            await _send_json(send, 500, body, request_id=request_id)
+            message = "Internal proxy error; the server log has the details."
+            body = json.dumps(error_body(message, status=500, code="internal_error")).encode()
+            body = _error_for_path(scope["path"], 500, message, body)
+            await _send_json(send, 500, body, request_id=request_id,
+                             headers=[*ctx.rate_headers, server_timing(started)])
 
 
-async def _handle(scope, receive, send, headers: dict[bytes, bytes], ctx: RequestContext) -> None:
+def _error_for_path(path: str, status: int, message: str, body: bytes) -> bytes:
+    """The proxy's own error body: Anthropic's shape on the Messages paths, OpenAI's elsewhere."""
+    if anthropic.is_messages_path(path):
+        return anthropic.error_bytes(status, message)
+    return body
+
+
+# ---------------------------------------------------------------- timing
+def server_timing(started: float, reply: UpstreamReply | None = None, *, excluded_s: float = 0.0
+                  ) -> tuple[bytes, bytes]:
+    """`Server-Timing: proxy;dur=<ms in the console>, upstream;dur=<ms to the backend's first byte>`
+    (the upstream figure only once a backend answered); both figures also go to /metrics.
+    `excluded_s` is time after the backend's headers that was the backend's, not ours (reading a
+    whole small body before answering)."""
+    total = time.perf_counter() - started - excluded_s
+    if reply is None:
+        return b"server-timing", f"proxy;dur={1000 * total:.1f}".encode()
+    upstream = reply.first_byte_s
+    proxy = max(0.0, total - upstream)
+    metrics.record_timing(model=reply.backend.model_name, instance_id=reply.backend.instance_id,
+                          proxy_s=proxy, upstream_s=upstream)
+    return b"server-timing", f"proxy;dur={1000 * proxy:.1f}, upstream;dur={1000 * upstream:.1f}".encode()
+
+
+# ---------------------------------------------------------------- request bodies
+MULTIPART_MODEL_RE = re.compile(
+    rb'content-disposition:[^\r\n]*\bname="?model"?(?:;[^\r\n]*)?\r\n(?:[^\r\n]+\r\n)*\r\n(.*?)\r\n--',
+    re.IGNORECASE | re.DOTALL)
+
+
+def request_payload(body: bytes, headers: dict[bytes, bytes]) -> dict:
+    """What routing reads of a body: the JSON object, or the `model` field of a multipart form
+    (audio uploads); ProxyError 400 for anything else."""
+    content_type = headers.get(b"content-type", b"").lower()
+    if content_type.startswith(b"multipart/form-data"):
+        found = MULTIPART_MODEL_RE.search(body)
+        if found is None:
+            return {}
+        try:
+            return {"model": found.group(1).decode("utf-8").strip()}
+        except UnicodeDecodeError:
+            raise ProxyError(400, "The form's `model` field is not UTF-8.", code="invalid_request") from None
+    return parse_body(body)
+
+
+async def resolve_alias(payload: dict, body: bytes, *, multipart: bool = False) -> tuple[dict, bytes]:
+    """A `model` that is an alias stands for its served name: the JSON body is rewritten to name
+    it (backends such as vLLM check the name); a multipart body goes as it is."""
+    model = payload.get("model")
+    if not isinstance(model, str) or not model:
+        return payload, body
+    snap = await routing_table.snapshot()
+    name = snap.served_name(model)
+    if name == model:
+        return payload, body
+    if multipart:  # only the form's model field was read
+        return {"model": name}, body
+    payload = {**payload, "model": name}
+    return payload, json.dumps(payload).encode()
+
+
+def check_model_type(candidates: list[Backend], route: Route, payload: dict) -> None:
+    """Type rules: chat, completions, responses and messages only to LLMs, embeddings only to
+    embedding models; ProxyError 400 `model_type_mismatch` for a named model of another type."""
+    if route.kind is None or not candidates or candidates[0].type == route.kind:
+        return
+    name = payload.get("model") or candidates[0].model_name
+    raise ProxyError(400, f"The model '{name}' is a {candidates[0].type} model; {route.upstream_path} needs "
+                          f"a{'n' if route.kind[0] in 'aeiou' else ''} {route.kind} model.",
+                     code="model_type_mismatch")
+
+
+def usage_operation(upstream_path: str) -> str:
+    """What admit_request needs of a route: `chat` and `completions` get usage asked of a stream."""
+    return {"/v1/chat/completions": "chat", "/v1/completions": "completions",
+            "/v1/embeddings": "embeddings"}.get(upstream_path, "forward")
+
+
+def backend_serves(backend: Backend, path: str) -> bool:
+    """Whether the backend kind answers `path` itself (its adapter knows); unknown kinds pass."""
+    adapter = ADAPTERS.get(backend.backend)
+    return adapter is None or adapter.serves(path)
+
+
+async def _handle(scope, receive, send, headers: dict[bytes, bytes], ctx: RequestContext, started: float) -> None:
     request_id = ctx.request_id
     path: str = scope["path"]
     method: str = scope["method"]
+    headers = anthropic.with_api_key_auth(headers)
     if path == "/metrics" or path == "/metrics/":
         if method != "GET":
             raise ProxyError(405, "Use GET.", code="method_not_allowed", headers=[(b"allow", b"GET")])
         await authenticate(headers, method=method, scheme=scope.get("scheme", "http"))
         body, content_type = metrics.render_metrics()
+        try:  # the dashboard's DB-backed families, rendered in a worker thread, never on the loop
+            body += await run_db(render_fleet)
+        except DatabaseUnavailable:
+            log.warning("/metrics: the database is unreachable; only this process's counters are exported")
         await _send_json(send, 200, body, content_type=content_type.encode())
         return
     if path.startswith("/metrics"):
         raise ProxyError(404, f"Unknown path {path}.", code="not_found")
     principal = await authenticate(headers, method=method, scheme=scope.get("scheme", "http"))
-    want, operation, kind, embedding_only = resolve_operation(path)
-    if method != want:
-        raise ProxyError(405, f"{path} accepts {want} only.", code="method_not_allowed",
-                         headers=[(b"allow", want.encode())])
-    if operation in ("models", "model"):
-        only = "embedding" if embedding_only else None
-        if operation == "models":
+    route = resolve_route(path)
+    if method != route.method:
+        raise ProxyError(405, f"{path} accepts {route.method} only.", code="method_not_allowed",
+                         headers=[(b"allow", route.method.encode())])
+    if route.operation in ("models", "model"):
+        only = "embedding" if route.embedding_only else None
+        if route.operation == "models":
             answer = await list_models(kind=only, principal=principal)
         else:
             answer = await get_model(path.rsplit("/v1/models/", 1)[1], kind=only, principal=principal)
         await _send_json(send, 200, json.dumps(answer).encode(), request_id=request_id,
-                         headers=await peek_headers(principal))
+                         headers=[*await peek_headers(principal), server_timing(started)])
         return
 
     body = await read_body(receive, headers, limit=settings.PROXY_MAX_BODY_BYTES, timeout_s=settings.BODY_TIMEOUT_S)
     if body is None:
         return  # the client left while sending
-    payload = parse_body(body)
+    payload = request_payload(body, headers)
+    payload, body = await resolve_alias(payload, body,
+                                        multipart=headers.get(b"content-type", b"").lower().startswith(b"multipart/"))
     ctx.principal = principal  # from here on, the request is in the request log
-    body = await admit_request(ctx, payload, body, operation=operation)
-    candidates = await candidates_for(payload, kind=kind, principal=principal)
-    await _forward(scope, receive, send, path=path, body=body, candidates=candidates, ctx=ctx)
+    body = await admit_request(ctx, payload, body, operation=usage_operation(route.upstream_path))
+    candidates = await candidates_for(payload, kind=route.kind, principal=principal)
+    check_model_type(candidates, route, payload)
+    upstream_path = route.upstream_path
+    if anthropic.is_messages_path(upstream_path):
+        if not backend_serves(candidates[0], upstream_path):
+            translation = anthropic.Translation(payload, count_only=upstream_path.endswith("/count_tokens"))
+            await _forward(scope, receive, send, path=path, body=translation.chat_body(), candidates=candidates,
+                           ctx=ctx, started=started, upstream_path="/v1/chat/completions",
+                           relay=translation.relay)
+            return
+        await _forward(scope, receive, send, path=path, body=body, candidates=candidates, ctx=ctx,
+                       started=started, upstream_path=upstream_path, shape_error=anthropic.backend_error)
+        return
+    if not backend_serves(candidates[0], upstream_path):
+        label = getattr(ADAPTERS.get(candidates[0].backend), "label", candidates[0].backend)
+        raise ProxyError(404, f"{label} (the backend serving '{candidates[0].model_name}') does not serve "
+                              f"{upstream_path}.", code="unsupported_by_backend")
+    await _forward(scope, receive, send, path=path, body=body, candidates=candidates, ctx=ctx,
+                   started=started, upstream_path=upstream_path)
+
+
+# ---------------------------------------------------------------- answering
+ERROR_READ_MAX = 65536  # of a backend's non-JSON error page, as much is read to quote it
+
+
+def openai_error_for(status: int, data: bytes, content_type: str) -> bytes | None:
+    """A backend's error answer in the OpenAI shape: None keeps one that already has it; a plain
+    text or HTML page, or JSON of another shape (FastAPI's `{"detail": ...}`), is rewritten with
+    the backend's own words as the message."""
+    message = ""
+    if content_type.endswith("json"):
+        try:
+            body = json.loads(data)
+        except (ValueError, UnicodeDecodeError, RecursionError):
+            body = None
+        if isinstance(body, dict):
+            if isinstance(body.get("error"), dict):
+                return None
+            detail = body.get("detail") or body.get("message") or body.get("error")
+            message = detail if isinstance(detail, str) else json.dumps(detail) if detail else ""
+    if not message:
+        text = re.sub(r"<[^>]+>", " ", data[:2000].decode("utf-8", "replace"))
+        message = " ".join(text.split())
+    message = message[:500] or f"The backend answered {status}."
+    return json.dumps(error_body(message, status=status, code="not_found" if status == 404 else "upstream_error")
+                      ).encode()
+
+
+async def passthrough(reply: UpstreamReply, send, timing, *, shape_error=openai_error_for) -> None:
+    """The backend's answer as it came: status, headers, body chunk by chunk (an error page that
+    is not JSON rewritten by `shape_error`)."""
+    if reply.status >= 400 and not reply.is_sse:
+        parts, size = [], 0
+        read_from = time.perf_counter()
+        async with contextlib.aclosing(reply.chunks()) as stream:
+            async for chunk in stream:
+                parts.append(chunk)
+                size += len(chunk)
+                if size > ERROR_READ_MAX:
+                    break
+        data = b"".join(parts)
+        fixed = shape_error(reply.status, data, reply.response.content_type or "")
+        headers = reply.headers()
+        if fixed is not None:
+            data = fixed
+            drop = {b"content-type", b"content-length", b"content-encoding"}
+            headers = [(k, v) for k, v in headers if k not in drop]
+            headers += [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
+        elif size > ERROR_READ_MAX:
+            headers = [(k, v) for k, v in headers if k != b"content-length"]
+        await send({"type": "http.response.start", "status": reply.status,
+                    "headers": [*headers, timing(time.perf_counter() - read_from)]})
+        await send({"type": "http.response.body", "body": data})
+        return
+    if reply.whole_body_size() is not None:
+        read_from = time.perf_counter()
+        data = await reply.read_whole()
+        await send({"type": "http.response.start", "status": reply.status,
+                    "headers": [*reply.headers(), timing(time.perf_counter() - read_from)]})
+        await send({"type": "http.response.body", "body": data})
+        return
+    await send({"type": "http.response.start", "status": reply.status, "headers": [*reply.headers(), timing(0.0)]})
+    async with contextlib.aclosing(reply.chunks()) as stream:
+        async for chunk in stream:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+    # A JSON body the backend cut off ends here too: daphne would hang on an unfinished response,
+    # and the truncated JSON already tells the client it is broken.
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 async def _forward(scope, receive, send, *, path: str, body: bytes, candidates: list[Backend],
-                   ctx: RequestContext) -> None:
-    """Open the upstream request and pass its answer through, watching for the client leaving."""
+                   ctx: RequestContext, started: float | None = None, upstream_path: str | None = None,
+                   relay=None, shape_error=openai_error_for) -> None:
+    """Open the upstream request and answer through `relay` (by default `passthrough`), watching
+    for the client leaving."""
     current = asyncio.current_task()
     flags = {"gone": False, "done": False}
+    started = time.perf_counter() if started is None else started
 
     async def watch_disconnect() -> None:
         while True:
@@ -333,25 +559,19 @@ async def _forward(scope, receive, send, *, path: str, body: bytes, candidates: 
 
     watcher = asyncio.create_task(watch_disconnect())
     reply: UpstreamReply | None = None
-    stream = None
     try:
         reply = await open_upstream(path=path, query=scope.get("query_string", b""), body=body,
                                     candidates=candidates, headers=scope["headers"], request_id=ctx.request_id,
-                                    ctx=ctx)
-        if reply.whole_body_size() is not None:
-            data = await reply.read_whole()
-            flags["done"] = True
-            await send({"type": "http.response.start", "status": reply.status, "headers": reply.headers()})
-            await send({"type": "http.response.body", "body": data})
-            return
-        await send({"type": "http.response.start", "status": reply.status, "headers": reply.headers()})
-        stream = reply.chunks()
-        async for chunk in stream:
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                                    upstream_path=upstream_path, ctx=ctx)
+
+        def timing(excluded_s: float = 0.0) -> tuple[bytes, bytes]:
+            return server_timing(started, reply, excluded_s=excluded_s)
+
+        if relay is None:
+            await passthrough(reply, send, timing, shape_error=shape_error)
+        else:
+            await relay(reply, send, timing)
         flags["done"] = True
-        # A JSON body the backend cut off ends here too: daphne would hang on an unfinished response,
-        # and the truncated JSON already tells the client it is broken.
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
     except asyncio.CancelledError:
         if not flags["gone"]:
             raise
@@ -361,7 +581,5 @@ async def _forward(scope, receive, send, *, path: str, body: bytes, candidates: 
     finally:
         flags["done"] = True
         watcher.cancel()
-        if stream is not None:
-            await stream.aclose()
         if reply is not None:
             reply.abort()

@@ -35,6 +35,16 @@ FIRST_BYTE = Histogram(
     ["model", "instance"],
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
 )
+PROXY_TIME = Histogram(
+    "xgen_inference_proxy_seconds", "Time spent in the console on a proxied answer (Server-Timing's proxy;dur)",
+    ["model", "instance"],
+    buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1),
+)
+UPSTREAM_TIME = Histogram(
+    "xgen_inference_upstream_seconds", "Time to the backend's first byte (Server-Timing's upstream;dur)",
+    ["model", "instance"],
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+)
 TOKENS = Counter(
     "xgen_inference_tokens", "Tokens reported by the backend's usage", ["model", "instance", "kind"],
 )
@@ -127,6 +137,13 @@ def record(*, model: str, instance_id: int, status: int, duration_s: float, firs
             usage.first_byte_count += 1
         usage.last_at = time.time()
         usage.recent_s.append(duration_s)
+
+
+def record_timing(*, model: str, instance_id: int, proxy_s: float, upstream_s: float) -> None:
+    """The two Server-Timing figures of one proxied answer."""
+    inst = str(instance_id)
+    PROXY_TIME.labels(model, inst).observe(proxy_s)
+    UPSTREAM_TIME.labels(model, inst).observe(upstream_s)
 
 
 def record_rejected(code: str) -> None:

@@ -40,6 +40,7 @@ class Backend:
     node: str
     base_url: str
     created: int
+    aliases: tuple[str, ...] = ()
     in_flight: int = 0
     down_until: float = 0.0
 
@@ -58,6 +59,11 @@ class RoutingSnapshot:
     by_name: dict[str, list[Backend]] = field(default_factory=dict)
     by_type: dict[str, list[Backend]] = field(default_factory=dict)
     known_names: frozenset[str] = frozenset()
+    aliases: dict[str, str] = field(default_factory=dict)  # alias -> served name
+
+    def served_name(self, name: str) -> str:
+        """The served name a `model` stands for (itself unless it is an alias)."""
+        return self.aliases.get(name, name)
 
     @property
     def backends(self) -> list[Backend]:
@@ -75,16 +81,17 @@ def _read_rows() -> tuple[list[dict], set[str]]:
     rows = list(
         ModelInstance.objects.filter(state=InstanceState.READY, node__in=fresh, port__isnull=False)
         .order_by("pk")
-        .values("pk", "model_name", "type", "backend", "port", "node__name", "node__address",
+        .values("pk", "model_name", "aliases", "type", "backend", "port", "node__name", "node__address",
                 "ready_at", "created_at")
     )
     # Known = some instance holds the name or is meant to run: 503 no_backend while it is
     # not READY (loading, restarting after a crash, node offline), 404 only for the rest.
-    names = set(
-        ModelInstance.objects.filter(Q(state__in=ACTIVE_STATES) | Q(desired_state=DesiredState.RUNNING))
-        .values_list("model_name", flat=True)
-        .distinct()
-    )
+    names: set[str] = set()
+    for name, aliases in (
+            ModelInstance.objects.filter(Q(state__in=ACTIVE_STATES) | Q(desired_state=DesiredState.RUNNING))
+            .values_list("model_name", "aliases")):
+        names.add(name)
+        names.update(aliases or [])  # an alias of a loading model answers 503 like its name
     return rows, names
 
 
@@ -210,6 +217,9 @@ class RoutingTable:
                     backend=row["backend"], node=row["node__name"], base_url=base,
                     created=int(stamp.timestamp()) if stamp else 0,
                 )
+            backend.aliases = tuple(a for a in (row.get("aliases") or []) if isinstance(a, str))
+            for alias in backend.aliases:
+                snap.aliases.setdefault(alias, backend.model_name)
             kept[key] = backend
             snap.by_name.setdefault(backend.model_name, []).append(backend)
             snap.by_type.setdefault(backend.type, []).append(backend)

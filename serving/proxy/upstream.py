@@ -28,7 +28,7 @@ log = logging.getLogger("xgen.proxy")
 DROP_REQUEST_HEADERS = frozenset({
     b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"proxy-connection",
     b"te", b"trailer", b"trailers", b"transfer-encoding", b"upgrade", b"host", b"authorization",
-    b"cookie", b"content-length", b"x-csrftoken", b"x-request-id", b"expect",
+    b"cookie", b"content-length", b"x-csrftoken", b"x-request-id", b"expect", b"x-api-key",
 })
 DROP_RESPONSE_HEADERS = frozenset({
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection", "te",
@@ -279,10 +279,13 @@ def forward_headers(raw: list[tuple[bytes, bytes]], request_id: str) -> list[tup
 
 async def open_upstream(*, path: str, query: bytes, body: bytes, candidates: list[Backend],
                         headers: list[tuple[bytes, bytes]], request_id: str,
-                        ctx: RequestContext | None = None) -> UpstreamReply:
+                        upstream_path: str | None = None, ctx: RequestContext | None = None) -> UpstreamReply:
     """Send the request to the least busy replica (the next one if it refuses); return at headers.
-    With `ctx`, the exchange is counted in the usage buckets and the request log when it finishes."""
-    upstream_path = path[path.index("/v1/"):]
+
+    The backend's path is `upstream_path`, or by default the part of `path` from `/v1/` on. With
+    `ctx`, the exchange is counted in the usage buckets and the request log when it finishes."""
+    if upstream_path is None:
+        upstream_path = path[path.index("/v1/"):]
     suffix = "?" + query.decode("latin-1") if query else ""
     fwd = forward_headers(headers, request_id)
     session = client()

@@ -113,7 +113,7 @@ def test_unknown_api_paths_answer_json_for_session_posts_too(admin):
 def test_an_api_call_while_the_database_connection_is_lost_is_503(client, admin, monkeypatch):
     from django.db import InterfaceError, OperationalError
 
-    from xgenconsole import auth
+    from accounts import auth
 
     def lost(raw):
         raise InterfaceError("connection already closed")

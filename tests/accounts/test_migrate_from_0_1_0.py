@@ -240,13 +240,17 @@ def _upgrade(tmp_path: Path, release_tree: Path, *, database_url: str | None = N
     after = _shell(REPO, new_env, SNAPSHOT, "SNAPSHOT")
     assert _rows_kept(before["rows"], after["rows"]) == []
     for table in ("xgenconsole_user", "xgenconsole_user_groups",
-                  "xgenconsole_user_user_permissions", "hub_downloadjob", "serving_modelinstance"):
+                  "xgenconsole_user_user_permissions", "hub_downloadjob"):
         assert after["schema"][table] == before["schema"][table], f"{table} changed shape"
-    # 0.2.0 adds the key limits to the keys table (accounts 0003) and changes nothing it had.
+    # 0.2 adds columns to instances (the launch plan, the replica number, aliases) and the key
+    # limits to the keys table (accounts 0003): every 0.1.0 column and constraint (the foreign
+    # keys included) is still there, unchanged.
+    for table in ("serving_modelinstance", "xgenconsole_apikey"):
+        kept, now = before["schema"][table], after["schema"][table]
+        assert [c for c in kept["columns"] if c not in now["columns"]] == [], f"{table} lost a column"
+        assert {k: v for k, v in kept["constraints"].items() if now["constraints"].get(k) != v} == {}, table
     old_keys, new_keys = before["schema"]["xgenconsole_apikey"], after["schema"]["xgenconsole_apikey"]
-    assert [c for c in new_keys["columns"] if c[0] not in KEY_LIMIT_COLUMNS] == old_keys["columns"]
     assert {c[0] for c in new_keys["columns"]} - {c[0] for c in old_keys["columns"]} == KEY_LIMIT_COLUMNS
-    assert {k: v for k, v in new_keys["constraints"].items() if k in old_keys["constraints"]} == old_keys["constraints"]
 
     # ...and a fresh database of this version has exactly the upgraded one's shape.
     fresh_env = _env(tmp_path / "fresh", fresh_database_url)

@@ -1,4 +1,5 @@
-"""Upload from the page with live progress, browse, and delete with confirmation (admin)."""
+"""Upload from the page (a job the node agent runs) with live progress, browse, and delete with
+confirmation (admin)."""
 from __future__ import annotations
 
 import pytest
@@ -27,6 +28,13 @@ def test_upload_browse_and_delete(console, page, tiny_gguf):
     row.get_by_role("link", name="See it in Models").click()
     model = page.locator("tr[data-prefix='gguf/page-upload']")
     assert model.locator(".badge").inner_text() == "complete"
+    # The same name again is refused (409) unless asked to replace it; the model stays as it is.
+    page.goto(f"{console.url}/models/upload/")
+    page.fill("#name", "page-upload")
+    page.fill("#local_path", str(tiny_gguf))
+    page.click("#upload-form button[type=submit]")
+    assert "already a complete model" in page.locator(".messages").inner_text()
+    assert page.locator("article.upload").count() == 1
     # Search and format filter narrow the list without a reload.
     page.goto(f"{console.url}/models/")
     page.select_option("#format", "huggingface")

@@ -51,6 +51,12 @@ def test_cpu_node_shows_its_detection_report(as_viewer):
     assert "No GPU detected — CPU node." in html
     assert "NVML: NVML Shared Library Not Found" in html and "torch: not compiled with CUDA" in html
     assert '<span class="role-tag">llama-cpp-python</span>' in html
+    # The node page names the llama-server binary the probe found here (the cached CPU build), its
+    # version and flavour.
+    server = next(b for b in Node.objects.get(name="laptop").backends if b["name"] == "llama-server")
+    assert server["available"], server["reason"]
+    detail = as_viewer.get("/nodes/laptop/").content.decode()
+    assert f"<td>{server['version']}</td><td>cpu</td><td><code>{server['path']}</code></td>" in detail
 
 
 def test_htmx_poll_gets_only_the_cards(as_viewer, gpu_node):

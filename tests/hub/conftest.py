@@ -138,3 +138,16 @@ def make_model_dir(root: Path, files: dict[str, bytes]) -> Path:
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_bytes(data)
     return root
+
+
+def run_uploads(*, store=None, node: str | None = None) -> list:
+    """What the node agent does with upload jobs, in this thread: claim every PENDING one of `node`
+    (default: this process's) and run it to its end; returns the final jobs, oldest first."""
+    from django.conf import settings
+
+    from hub import services
+
+    done = []
+    while (job := services.claim_next_upload(node_name=node or settings.NODE_NAME)) is not None:
+        done.append(services.execute_upload(job.pk, store=store))
+    return done

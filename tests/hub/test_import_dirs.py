@@ -16,10 +16,10 @@ import pytest
 from django.test import Client
 
 from hub import services
-from hub.models import ModelArtifact
+from hub.models import ModelArtifact, PrefixLock, UploadJob
 from hub.store import FilesystemModelStore
 from tests.conftest import REPO, bearer
-from tests.hub.conftest import make_model_dir
+from tests.hub.conftest import make_model_dir, run_uploads
 from tests.procs import PYTHON
 
 pytestmark = pytest.mark.django_db
@@ -56,6 +56,7 @@ def _refused(resp, *words: str) -> str:
 def _store_is_empty(hub_dirs: Path) -> None:
     assert FilesystemModelStore(hub_dirs / "store").scan_models() == []
     assert not ModelArtifact.objects.exists()
+    assert not UploadJob.objects.exists() and not PrefixLock.objects.exists()  # refused before any job
     store_root = hub_dirs / "store"
     assert not store_root.exists() or not any(p.is_file() for p in store_root.rglob("*"))
 
@@ -242,23 +243,21 @@ def test_an_allowed_path_still_uploads(imports, hub_dirs, operator, tiny_gguf):
     (gg / "b.gguf").symlink_to(inside / "w.gguf")  # a symlink that stays inside the import dirs
     (gg / "sub").symlink_to(hub_dirs)  # a symlinked folder is not walked, so it reads nothing
     resp = _upload(operator.key, gg, name="gg")
-    assert resp.status_code == 200, resp.content
+    assert resp.status_code == 202, resp.content
+    assert [j.status for j in run_uploads()] == ["COMPLETED"]
     store = FilesystemModelStore(hub_dirs / "store")
     assert sorted(f.path for f in store.read_manifest("gguf/gg").files) == ["a.gguf", "b.gguf"]
     (imports / "tiny.gguf").symlink_to(inside / "w.gguf")
     resp = _upload(operator.key, imports / "tiny.gguf", name="single")
-    assert resp.status_code == 200 and resp.json()["file_count"] == 1
+    assert resp.status_code == 202 and resp.json()["bytes_total"] == 100
     hf = make_model_dir(imports / "hf", HF_FILES)
-    assert _upload(operator.key, hf, "huggingface", "hf").status_code == 200
+    assert _upload(operator.key, hf, "huggingface", "hf").status_code == 202
+    assert [j.status for j in run_uploads()] == ["COMPLETED", "COMPLETED"]
+    assert ModelArtifact.objects.get(prefix="gguf/single").file_count == 1
     assert sorted(m.prefix for m in store.scan_models()) == ["gguf/gg", "gguf/single", "huggingface/hf"]
 
 
-@pytest.mark.django_db(transaction=True)
 def test_the_upload_page_follows_the_same_rule(settings, imports, hub_dirs, admin, loot_in_data_dir):
-    import time
-
-    from hub.uploads import recent_uploads
-
     c = Client()
     c.force_login(admin.user)
     page = c.get("/models/upload/").content.decode()
@@ -273,10 +272,7 @@ def test_the_upload_page_follows_the_same_rule(settings, imports, hub_dirs, admi
     ok = make_model_dir(imports / "ok", {"ok.gguf": b"o" * 10})
     resp = c.post("/models/upload/", {"local_path": str(ok), "format": "gguf", "name": "ok"})
     assert resp.status_code == 302
-    deadline = time.monotonic() + 30
-    while recent_uploads()[0].status == "UPLOADING" and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert recent_uploads()[0].status == "COMPLETED"
+    assert [j.status for j in run_uploads()] == ["COMPLETED"]
 
 
 # ---------------------------------------------------------------- the admin's CLI

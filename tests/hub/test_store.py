@@ -63,7 +63,7 @@ def test_an_interrupted_upload_never_looks_like_a_model(store, tmp_path):
             raise RuntimeError("disk unplugged")
 
     with pytest.raises(RuntimeError, match="disk unplugged"):
-        store.upload_model("huggingface/m2", src, progress=boom)
+        store.upload_model("huggingface/m2", src, progress=boom, replace=True)
     # The previous complete version was withdrawn first: nothing loadable remains.
     assert store.read_manifest("huggingface/m2") is None
     assert not store.scan_models()[0].complete
@@ -138,7 +138,7 @@ def test_a_cancelled_upload_stops_and_stays_incomplete(store, tmp_path):
 def test_reupload_replaces_files_and_drops_stale_ones(store, tmp_path):
     store.upload_model("huggingface/m4", make_model_dir(tmp_path / "v1", FILES))
     v2 = make_model_dir(tmp_path / "v2", {"config.json": b'{"a": 2}', "weights.bin": b"w" * 10})
-    manifest = store.upload_model("huggingface/m4", v2)
+    manifest = store.upload_model("huggingface/m4", v2, replace=True)
     assert {f.path for f in manifest.files} == {"config.json", "weights.bin"}
     assert {o.key for o in store.list_files("huggingface/m4")} == {"huggingface/m4/config.json",
                                                                    "huggingface/m4/weights.bin"}
@@ -195,3 +195,55 @@ def test_get_store_follows_settings(settings, s3, hub_dirs):
     assert not s3.client().bucket_exists("fresh-bucket")
     assert store.scan_models() == []
     assert s3.client().bucket_exists("fresh-bucket")  # created when missing
+
+
+def test_a_complete_model_is_overwritten_only_when_asked(store, tmp_path):
+    from hub.store import ModelExists
+
+    store.upload_model("gguf/kept", make_model_dir(tmp_path / "v1", {"model.gguf": b"v1" * 100}))
+    before = store.read_manifest("gguf/kept")
+    with pytest.raises(ModelExists, match="already a complete model"):
+        store.upload_model("gguf/kept", make_model_dir(tmp_path / "v2", {"model.gguf": b"v2" * 50}))
+    assert store.read_manifest("gguf/kept") == before  # nothing was written
+    assert store.get_bytes("gguf/kept/model.gguf") == b"v1" * 100
+    assert store.upload_model("gguf/kept", tmp_path / "v2", replace=True).size_bytes == 100
+
+
+def test_two_uploads_to_one_name_never_make_a_broken_model(store, tmp_path, settings):
+    """Issue 17 #5 at the store: X (a-first.gguf, then a slow z-big.gguf) and, while X is on z-big,
+    Y (m-other.gguf) to the same name, with no lock around them. Y's clean-up removes a-first.gguf;
+    X must then not write a manifest that lists it: whatever manifest is left loads."""
+    from hub.cache import resolve_model_path, sync_to_cache
+    from hub.store import ConcurrentWrite
+
+    x = make_model_dir(tmp_path / "x", {"a-first.gguf": b"a" * 100_000, "z-big.gguf": os.urandom(3 * 2**20)})
+    y = make_model_dir(tmp_path / "y", {"m-other.gguf": b"m" * 200_000})
+    on_big, y_done = threading.Event(), threading.Event()
+
+    def slow(done: int, total: int) -> None:
+        if done > 100_000 and not y_done.is_set():  # X is reading z-big.gguf: let Y run meanwhile
+            on_big.set()
+            y_done.wait(30)
+
+    x_errors: list[Exception] = []
+
+    def upload_x() -> None:
+        try:
+            store.upload_model("gguf/race", x, progress=slow)
+        except Exception as exc:  # noqa: BLE001 - handed to the test
+            x_errors.append(exc)
+
+    t = threading.Thread(target=upload_x, daemon=True)
+    t.start()
+    assert on_big.wait(30), "X never reached its second file"
+    store.upload_model("gguf/race", y)  # nothing complete there yet: no replace needed
+    y_done.set()
+    t.join(60)
+    assert not t.is_alive()
+    assert len(x_errors) == 1 and isinstance(x_errors[0], ConcurrentWrite), x_errors  # X wrote no manifest
+    manifest = store.read_manifest("gguf/race")
+    listed = {o.key: o.size for o in store.list_files("gguf/race")}
+    assert [f.path for f in manifest.files] == ["m-other.gguf"]
+    assert all(listed.get(f"gguf/race/{f.path}") == f.size for f in manifest.files), (manifest.files, listed)
+    local = sync_to_cache("gguf/race", node_name="n1", store=store)  # "load" it: the copy checks out
+    assert resolve_model_path(local, "gguf").name == "m-other.gguf"

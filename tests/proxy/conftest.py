@@ -13,8 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import KeyedConsole, LlamaServer, start_console
-from tests.procs import PYTHON, free_port, stop_process, wait_http
+from tests.conftest import KeyedConsole, LlamaServer, engine_command, start_console
+from tests.procs import free_port, stop_process, wait_http
 
 BACKEND_NODE = "gpu-b"
 PROXY_MAX_BODY = 65536
@@ -36,10 +36,12 @@ beat = timezone.now() if {node_fresh} else timezone.now() - timedelta(days=1)
 node, _ = Node.objects.update_or_create(name={BACKEND_NODE!r}, defaults={{"address": "127.0.0.1", "last_heartbeat": beat}})
 ModelInstance.objects.filter(node=node).delete()
 ids = []
-for row in rows:
+for i, row in enumerate(rows):
+    replica = sum(1 for other in rows[:i] if other["name"] == row["name"])  # replicas of one name are numbered
     inst = ModelInstance.objects.create(
-        model_name=row["name"], model_path="/models/tiny.gguf", type=row.get("type", "llm"),
-        backend="llama-cpp-python", node=node, port=row["port"], state=row.get("state", "READY"),
+        model_name=row["name"], replica=replica, model_path="/models/tiny.gguf", type=row.get("type", "llm"),
+        aliases=row.get("aliases", []),
+        backend=row.get("backend", "llama-cpp-python"), node=node, port=row["port"], state=row.get("state", "READY"),
         ready_at=timezone.now())
     ids.append(inst.pk)
 print(json.dumps(ids))
@@ -98,7 +100,8 @@ def tiny_gguf_b(tmp_path_factory) -> Path:
 
 
 class BackendPool:
-    """Real llama-cpp-python servers for a module; `log(server)` is its access log."""
+    """Real llama.cpp servers for a module (llama-cpp-python's unless `engine` says otherwise);
+    `log(server)` is its log (llama-cpp-python's has the access log)."""
 
     def __init__(self, tiny_gguf: Path, log_dir: Path) -> None:
         self.tiny_gguf = tiny_gguf
@@ -106,17 +109,15 @@ class BackendPool:
         self.servers: list[LlamaServer] = []
 
     def start(self, alias: str, *, embedding: bool = False, model: Path | None = None,
-              port: int | None = None, n_ctx: int = 512) -> LlamaServer:
+              port: int | None = None, n_ctx: int = 512, engine: str = "llama-cpp-python") -> LlamaServer:
         port = port or free_port()
-        cmd = [PYTHON, "-m", "llama_cpp.server", "--model", str(model or self.tiny_gguf), "--host", "127.0.0.1",
-               "--port", str(port), "--model_alias", alias, "--n_ctx", str(n_ctx), "--verbose", "false"]
-        if embedding:
-            cmd += ["--embedding", "true"]
+        cmd, health = engine_command(engine, model=model or self.tiny_gguf, port=port, alias=alias,
+                                     embedding=embedding, n_ctx=n_ctx)
         with open(self.log_dir / f"llama-{port}.log", "ab") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        server = LlamaServer(proc=proc, port=port, alias=alias)
+        server = LlamaServer(proc=proc, port=port, alias=alias, engine=engine)
         self.servers.append(server)
-        wait_http(f"{server.base_url}/v1/models", timeout=60, proc=proc)
+        wait_http(f"{server.base_url}{health}", timeout=60, proc=proc)
         return server
 
     def log(self, server: LlamaServer) -> str:

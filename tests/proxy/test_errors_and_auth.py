@@ -29,15 +29,13 @@ def _error(status: int, type_: str, code: str, message: str | None = None):
 
 @pytest.fixture(scope="module")
 def served(proxy_console, echo_backend):
-    ids = proxy_console.set_instances(
-        [
-            {"name": "echo", "port": echo_backend.port},
-            {"name": "dropper", "port": echo_backend.port},
-            {"name": "loading", "port": echo_backend.port, "state": "LOADING"},
-        ]
-    )
+    proxy_console.rows = [
+        {"name": "echo", "port": echo_backend.port},
+        {"name": "dropper", "port": echo_backend.port},
+        {"name": "loading", "port": echo_backend.port, "state": "LOADING"},
+    ]
+    proxy_console.ids = proxy_console.set_instances(proxy_console.rows)
     proxy_console.wait_models({"echo", "dropper"})
-    proxy_console.ids = ids
     return proxy_console
 
 
@@ -233,8 +231,16 @@ def test_what_reaches_the_backend_and_what_comes_back(served, echo_backend):
 def test_a_json_answer_cut_by_the_backend_reaches_the_client_as_cut(served):
     import json
 
-    r = _post(served, "/v1/embeddings", json={"model": "echo", "input": "x"})  # ends, never hangs
-    assert r.status_code == 200 and r.content.startswith(b'{"object": "list"')
-    with pytest.raises(json.JSONDecodeError):  # cut where the backend died, not made to look whole
-        json.loads(r.content)
+    # Embeddings go to embedding models only: the echo backend serves one for this test.
+    port = served.rows[0]["port"]
+    served.set_instances([*served.rows, {"name": "echo-embed", "port": port, "type": "embedding"}])
+    served.wait_models({"echo", "dropper", "echo-embed"})
+    try:
+        r = _post(served, "/v1/embeddings", json={"model": "echo-embed", "input": "x"})  # ends, never hangs
+        assert r.status_code == 200 and r.content.startswith(b'{"object": "list"')
+        with pytest.raises(json.JSONDecodeError):  # cut where the backend died, not made to look whole
+            json.loads(r.content)
+    finally:
+        served.ids = served.set_instances(served.rows)
+        served.wait_models({"echo", "dropper"})
     assert httpx.get(f"{served.url}/v1/models", headers=served.auth).status_code == 200

@@ -17,6 +17,25 @@ ADDED_API = {
     ("GET", "/api/usage", "viewer"), ("GET", "/api/usage/chargeback", "viewer"), ("GET", "/api/requests", "viewer"),
     ("GET", "/api/audit", "admin"),
 }
+# What the proxy (the ASGI app ahead of Django) answers, beyond the Ninja operations it mirrors:
+# any POST /v1/<path> naming a model, and the engines' routes. (method, path, role); checked
+# against a real console in tests/proxy/test_api_routes.py.
+PROXY_ROUTES = [
+    ("GET", "/v1/models", "viewer"),
+    ("POST", "/v1/chat/completions", "viewer"),
+    ("POST", "/v1/completions", "viewer"),
+    ("POST", "/v1/embeddings", "viewer"),
+    ("POST", "/v1/responses", "viewer"),
+    ("POST", "/v1/messages", "viewer"),
+    ("POST", "/v1/messages/count_tokens", "viewer"),
+    ("POST", "/v1/audio/transcriptions", "viewer"),
+    ("POST", "/v1/images/generations", "viewer"),
+    ("POST", "/v1/rerank", "viewer"),
+    *[("POST", f"/api/inference/{route}", "viewer") for route in (
+        "tokenize", "detokenize", "apply-template", "infill", "rerank", "score", "pooling", "classify")],
+    ("POST", "/api/inference/v1/messages", "viewer"),
+    ("GET", "/metrics", "viewer"),
+]
 SAMPLE = {"int": "1", "str": "n", "path": "gguf/x", "slug": "x", "uuid": "00000000-0000-0000-0000-000000000000"}
 
 

@@ -28,6 +28,14 @@ def test_the_matrix_sees_every_route():
     assert ("GET", "/api/hardware/nodes", "viewer") in ops
     assert ADDED_API <= set(ops), ADDED_API - set(ops)
     assert ADDED_PAGES <= set(page_routes()), ADDED_PAGES - set(page_routes())
+    # Uploads are jobs: viewers may watch them, operators start and cancel them.
+    assert {("POST", "/api/storage/upload", "operator"), ("GET", "/api/storage/uploads", "viewer"),
+            ("GET", "/api/storage/uploads/1", "viewer"), ("POST", "/api/storage/uploads/1/cancel", "operator")} <= set(ops)
+    assert "/models/uploads/1/cancel/" in pages
+    # Node caches: the hub's router at the node's URL; viewers look, operators evict and verify.
+    assert {("GET", "/api/hardware/nodes/1/cache", "viewer"), ("POST", "/api/hardware/nodes/1/cache/evict", "operator"),
+            ("POST", "/api/hardware/nodes/1/cache/verify", "operator"),
+            ("GET", "/api/hardware/nodes/1/cache/jobs/1", "viewer")} <= set(ops)
 
 
 @pytest.mark.django_db

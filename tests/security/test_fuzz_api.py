@@ -37,6 +37,16 @@ def test_the_served_schema_is_the_one_fuzzed(console, admin_key):
     assert sorted(served.json()["paths"]) == sorted(api.get_openapi_schema()["paths"])
 
 
+def test_the_new_inference_operations_are_fuzzed():
+    assert {"POST /api/inference/v1/responses", "POST /api/inference/v1/messages",
+            "POST /api/inference/v1/messages/count_tokens", "POST /api/inference/{route}"} <= set(OPERATIONS)
+
+
+def test_the_upload_job_operations_are_fuzzed():
+    assert {"POST /api/storage/upload", "GET /api/storage/uploads", "GET /api/storage/uploads/{job_id}",
+            "POST /api/storage/uploads/{job_id}/cancel"} <= set(OPERATIONS)
+
+
 # Changing and revoking keys go last (in this order): a case may revoke the key the fuzzer signs with.
 LAST = ("PATCH /api/keys", "DELETE /api/keys")
 
@@ -57,6 +67,13 @@ def test_operation_never_answers_5xx_or_a_non_openai_error(label, console, admin
         response = case.call(base_url=console.url, headers={"Authorization": f"Bearer {admin_key}"},
                              cookies={}, timeout=30)
         CASES_RUN.append(label)
+        if "/v1/messages" in label:  # Anthropic's Messages paths answer errors in Anthropic's shape
+            if response.status_code >= 400:
+                body = json.loads(response.text)
+                assert body["type"] == "error" and set(body["error"]) == {"type", "message"}, response.text[:300]
+                assert body["error"]["message"]
+                assert response.status_code < 500 or response.status_code in (502, 503), response.text[:300]
+            return
         if response.status_code >= 500:
             # The proxy's documented answers when no backend can serve (api.md), never a crash.
             assert label.startswith("POST /api/inference"), (label, response.status_code, response.text[:500])

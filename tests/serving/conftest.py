@@ -2,15 +2,41 @@
 from __future__ import annotations
 
 import asyncio
+import functools
+import json
 import time
 from collections.abc import AsyncIterator
 
+import httpx
 import pytest
 from asgiref.sync import sync_to_async
+
+from tests.conftest import ENGINES, llama_server_binary
 
 LLAMA_CPP_PYTHON = {"name": "llama-cpp-python", "available": True, "version": "0.3.16", "flavour": "cpu",
                     "path": "", "reason": ""}
 NODE = "node-t"
+
+
+@functools.cache
+def llama_server_row() -> dict:
+    """The real probe's row for llama-server here (the cached CPU build; unavailable without one)."""
+    from hardware.backends import probe_llama_server
+
+    return probe_llama_server()
+
+
+def node_backends() -> list[dict]:
+    """What the node's probe records here: llama-cpp-python and llama-server, both on the CPU."""
+    return [LLAMA_CPP_PYTHON, llama_server_row()]
+
+
+@pytest.fixture(params=ENGINES)
+def engine(request) -> str:
+    """Each GGUF engine in turn; a test loads with `backend=engine` (the CPU default is llama-cpp-python)."""
+    if request.param == "llama-server":
+        llama_server_binary()  # fails the test at once, saying how to build it, when there is none
+    return request.param
 
 
 @pytest.fixture
@@ -39,7 +65,7 @@ async def agent(serving_settings, transactional_db) -> AsyncIterator[object]:
     from serving.node.supervisor import Supervisor
 
     await sync_to_async(register_node)(name=NODE, address="127.0.0.1")
-    await sync_to_async(set_backends)(NODE, [LLAMA_CPP_PYTHON])
+    await sync_to_async(set_backends)(NODE, node_backends())
     supervisor = Supervisor()
     node_agent = NodeAgent(name=NODE, address="127.0.0.1", workers=[supervisor])
     node_agent.supervisor = supervisor
@@ -83,3 +109,25 @@ def backend_pids(model_name: str, port: int) -> list[int]:
         if state != "Z" and model_name.encode() in cmd and str(port).encode() in cmd:
             out.append(int(entry))
     return out
+
+
+def set_console_backends(console) -> None:
+    """Record node_backends() for a console's node (test-node), once its agent has registered it."""
+    code = ("import json; from hardware.models import Node; "
+            f"print(Node.objects.filter(name='test-node').update(backends=json.loads({json.dumps(node_backends())!r})))")
+    deadline = time.monotonic() + 30
+    while console.manage("shell", "-v", "0", "-c", code).stdout.strip() != "1":
+        assert time.monotonic() < deadline, "the node never registered"
+        time.sleep(0.2)
+
+
+def wait_api(url: str, key: str, predicate, timeout: float = 60) -> dict:
+    """GET `url` with the key until `predicate(body)` holds; its body."""
+    deadline = time.monotonic() + timeout
+    body: dict = {}
+    while time.monotonic() < deadline:
+        body = httpx.get(url, headers={"Authorization": f"Bearer {key}"}, timeout=5).json()
+        if predicate(body):
+            return body
+        time.sleep(0.1)
+    raise AssertionError(f"timed out; last: {body}")

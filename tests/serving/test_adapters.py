@@ -108,7 +108,7 @@ def test_llama_server_gpu_builds(flavour, gpu_type, env_key):
 def test_llama_server_embedding_cpu_and_flags_by_build():
     ls = get_adapter("llama-server")
     cmd = ls.build_command(spec(model_file=GGUF, model_name="emb", server_type="embedding", flavour="cpu"))
-    assert cmd[0] == "llama-server" and "--embedding" in cmd and cmd[cmd.index("--pooling") + 1] == "mean"
+    assert cmd[0] == "llama-server" and "--embeddings" in cmd and cmd[cmd.index("--pooling") + 1] == "mean"
     assert "-ngl" not in cmd
     # --flash-attn: a bare switch on old builds, on|off|auto from b6325.
     assert ls.normalize_extra_args({"--flash-attn": True}, "b5000") == {"--flash-attn": True}
@@ -155,3 +155,49 @@ def test_extra_args_are_argv_items_never_a_shell():
     cmd = get_adapter("llama-server").build_command(
         spec(model_file=GGUF, model_name="t", extra_args={"--chat-template": "{{ x }} $(reboot); `id`"}))
     assert cmd[-2:] == ["--chat-template", "{{ x }} $(reboot); `id`"]
+
+
+# Issue 17 #9: vLLM would run the model repository's own code on request.
+def test_trust_remote_code_is_refused_unless_the_console_allows_it(settings):
+    vllm = get_adapter("vllm")
+    settings.ALLOW_TRUST_REMOTE_CODE = False
+    with pytest.raises(InvalidExtraArgs, match="XGEN_ALLOW_TRUST_REMOTE_CODE"):
+        vllm.normalize_extra_args({"--trust-remote-code": True}, "0.17.0")
+    with pytest.raises(InvalidExtraArgs, match="XGEN_ALLOW_TRUST_REMOTE_CODE"):
+        vllm.normalize_extra_args({"trust-remote-code": "true"}, "0.17.0")
+    assert vllm.normalize_extra_args({"--trust-remote-code": False}, "0.17.0") == {}
+    settings.ALLOW_TRUST_REMOTE_CODE = True
+    assert vllm.normalize_extra_args({"--trust-remote-code": True}, "0.17.0") == {"--trust-remote-code": True}
+
+
+def test_the_environment_is_an_allowlist_of_the_agents(settings):
+    settings.BACKEND_ENV_PASS = ["VLLM_ATTENTION_BACKEND"]
+    agent_env = {"PATH": "/usr/bin", "HOME": "/home/x", "LANG": "C.UTF-8", "LC_ALL": "C", "TMPDIR": "/tmp/x",
+                 "LD_LIBRARY_PATH": "/opt/rocm/lib", "HF_HOME": "/data/hf", "CUDA_CACHE_PATH": "/c",
+                 "HSA_OVERRIDE_GFX_VERSION": "11.0.0", "VLLM_ATTENTION_BACKEND": "FLASH_ATTN",
+                 "XGEN_SECRET_KEY": "s", "DATABASE_URL": "postgres://u:p@h/d", "MINIO_SECRET_KEY": "m",
+                 "XGEN_ADMIN_PASSWORD": "a", "REDIS_URL": "redis://h", "HF_TOKEN": "t", "DJANGO_SETTINGS_MODULE": "x",
+                 "HF_HUB_OFFLINE": "0"}
+    s = spec(gpus=(1,), gpu_type="NVIDIA", flavour="cuda", version="0.17.0")
+    env = get_adapter("vllm").build_env(s, agent_env)
+    assert env == {"PATH": "/usr/bin", "HOME": "/home/x", "LANG": "C.UTF-8", "LC_ALL": "C", "TMPDIR": "/tmp/x",
+                   "LD_LIBRARY_PATH": "/opt/rocm/lib", "HF_HOME": "/data/hf", "CUDA_CACHE_PATH": "/c",
+                   "HSA_OVERRIDE_GFX_VERSION": "11.0.0", "VLLM_ATTENTION_BACKEND": "FLASH_ATTN",
+                   "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": "1"}
+
+
+@pytest.mark.parametrize("backend", ["vllm", "llama-server"])
+@pytest.mark.parametrize("value", ["/etc/passwd", "../../data/secret_key", "~/x.jinja", "sub/dir.jinja"])
+def test_a_chat_template_may_not_name_a_file(backend, value):
+    from serving.adapters import InvalidExtraArgs, get_adapter
+
+    with pytest.raises(InvalidExtraArgs, match="not a file path"):
+        get_adapter(backend).normalize_extra_args({"--chat-template": value}, "")
+
+
+@pytest.mark.parametrize("backend", ["vllm", "llama-server"])
+@pytest.mark.parametrize("value", ["chatml", "{% for m in messages %}{{ m.content }}{% endfor %}"])
+def test_a_chat_template_inline_or_by_name_is_kept(backend, value):
+    from serving.adapters import get_adapter
+
+    assert get_adapter(backend).normalize_extra_args({"--chat-template": value}, "") == {"--chat-template": value}

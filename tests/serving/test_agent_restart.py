@@ -1,39 +1,16 @@
-"""A real `manage.py serve` killed with -9 while a backend runs; the next agent adopts it."""
+"""A real `manage.py serve` killed with -9 while a backend runs (either engine); the next agent adopts it."""
 from __future__ import annotations
 
-import json
 import os
 import signal
-import time
 
 import httpx
 
 from tests.conftest import start_console
 from tests.procs import stop_process
-from tests.serving.conftest import LLAMA_CPP_PYTHON, backend_pids
+from tests.serving.conftest import backend_pids, set_console_backends, wait_api
 
 ENV = {"XGEN_RESTART_BACKOFF": "0", "XGEN_RECONCILE_INTERVAL": "1", "XGEN_STOP_GRACE": "5"}
-
-
-def _set_backends(console) -> None:
-    """What the hardware probe would record: llama-cpp-python on the CPU (the node registers first)."""
-    code = ("import json; from hardware.models import Node; "
-            f"print(Node.objects.filter(name='test-node').update(backends=json.loads({json.dumps([LLAMA_CPP_PYTHON])!r})))")
-    deadline = time.monotonic() + 30
-    while console.manage("shell", "-v", "0", "-c", code).stdout.strip() != "1":
-        assert time.monotonic() < deadline, "the node never registered"
-        time.sleep(0.2)
-
-
-def _wait(url: str, key: str, predicate, timeout: float = 60) -> dict:
-    deadline = time.monotonic() + timeout
-    body: dict = {}
-    while time.monotonic() < deadline:
-        body = httpx.get(url, headers={"Authorization": f"Bearer {key}"}, timeout=5).json()
-        if predicate(body):
-            return body
-        time.sleep(0.1)
-    raise AssertionError(f"timed out; last: {body}")
 
 
 def pid_alive(pid: int) -> bool:
@@ -44,18 +21,18 @@ def pid_alive(pid: int) -> bool:
     return state != "Z"
 
 
-def test_agent_killed_then_restarted_adopts_the_backend(tmp_path, tiny_gguf):
+def test_agent_killed_then_restarted_adopts_the_backend(tmp_path, tiny_gguf, engine):
     data = tmp_path / "console"
     first = start_console(data, extra_env=ENV)
     try:
-        _set_backends(first)
+        set_console_backends(first)
         key = first.manage("createapikey", "--username", "admin").stdout.strip()
         r = httpx.post(f"{first.url}/api/management/load", headers={"Authorization": f"Bearer {key}"},
-                       json={"model_path": str(tiny_gguf), "model_name": "tiny-adopt"}, timeout=10)
+                       json={"model_path": str(tiny_gguf), "model_name": "tiny-adopt", "backend": engine}, timeout=10)
         assert r.status_code == 202, r.text
         url = f"{first.url}/api/management/instances/{r.json()['id']}"
-        inst = _wait(url, key, lambda b: b["state"] in ("READY", "ERROR"))
-        assert inst["state"] == "READY", inst
+        inst = wait_api(url, key, lambda b: b["state"] in ("READY", "ERROR"))
+        assert inst["state"] == "READY" and inst["backend"] == engine, inst
         pid, port = inst["pid"], inst["port"]
         os.kill(first.proc.pid, signal.SIGKILL)
         first.proc.wait()
@@ -67,7 +44,7 @@ def test_agent_killed_then_restarted_adopts_the_backend(tmp_path, tiny_gguf):
     second = start_console(data, extra_env=ENV)
     try:
         url = f"{second.url}/api/management/instances/{inst['id']}"
-        after = _wait(url, key, lambda b: b["state"] == "READY" and "adopted" in b["state_message"], timeout=30)
+        after = wait_api(url, key, lambda b: b["state"] == "READY" and "adopted" in b["state_message"], timeout=30)
         assert after["pid"] == pid and after["port"] == port and after["restarts"] == 0
         assert backend_pids("tiny-adopt", port) == [pid], "exactly one backend process for the instance"
         # Clients reach the adopted backend through the console's inference proxy, by served name.
@@ -79,7 +56,7 @@ def test_agent_killed_then_restarted_adopts_the_backend(tmp_path, tiny_gguf):
         r = httpx.post(f"{second.url}/api/management/unload", headers={"Authorization": f"Bearer {key}"},
                        json={"id": inst["id"]}, timeout=10)
         assert r.status_code == 202
-        stopped = _wait(url, key, lambda b: b["state"] == "STOPPED", timeout=30)
+        stopped = wait_api(url, key, lambda b: b["state"] == "STOPPED", timeout=30)
         assert stopped["pid"] is None and stopped["port"] is None
         assert not pid_alive(pid) and backend_pids("tiny-adopt", port) == []
     finally:
@@ -92,12 +69,12 @@ def test_agent_stop_stops_backends_and_next_start_brings_them_back(tmp_path, tin
     data = tmp_path / "console"
     first = start_console(data, extra_env=ENV)
     try:
-        _set_backends(first)
+        set_console_backends(first)
         key = first.manage("createapikey", "--username", "admin").stdout.strip()
         r = httpx.post(f"{first.url}/api/management/load", headers={"Authorization": f"Bearer {key}"},
                        json={"model_path": str(tiny_gguf), "model_name": "tiny-auto", "autostart": True}, timeout=10)
         url = f"{first.url}/api/management/instances/{r.json()['id']}"
-        inst = _wait(url, key, lambda b: b["state"] in ("READY", "ERROR"))
+        inst = wait_api(url, key, lambda b: b["state"] in ("READY", "ERROR"))
         assert inst["state"] == "READY", inst
     finally:
         assert stop_process(first.proc, timeout=30) == 0
@@ -106,7 +83,7 @@ def test_agent_stop_stops_backends_and_next_start_brings_them_back(tmp_path, tin
     try:
         # An autostart instance is READY by the time the agent counts as started.
         url = f"{second.url}/api/management/instances/{inst['id']}"
-        again = _wait(url, key, lambda b: b["state"] in ("READY", "ERROR"), timeout=60)
+        again = wait_api(url, key, lambda b: b["state"] in ("READY", "ERROR"), timeout=60)
         assert again["state"] == "READY" and again["pid"] != inst["pid"]
         assert backend_pids("tiny-auto", again["port"]) == [again["pid"]]
     finally:

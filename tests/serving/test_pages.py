@@ -109,7 +109,7 @@ def test_playground_refuses_when_not_ready(node, viewer, tiny_gguf):
 async def test_websockets_carry_state_rows_and_log_lines(node, viewer, tiny_gguf):
     from serving import events
     from serving.consumers import InstanceConsumer, InstancesConsumer
-    from serving.services import request_load, transition
+    from serving.services import request_load
 
     inst = await sync_to_async(request_load)(model_path=str(tiny_gguf), model_name="ws")
     listing = WebsocketCommunicator(InstancesConsumer.as_asgi(), "/ws/instances/")
@@ -118,14 +118,14 @@ async def test_websockets_carry_state_rows_and_log_lines(node, viewer, tiny_gguf
     one.scope["user"] = viewer.user
     one.scope["url_route"] = {"kwargs": {"pk": inst.pk}}
     assert (await listing.connect())[0] and (await one.connect())[0]
-    await sync_to_async(transition)(inst.pk, "CACHING", "copying from the store: 40%", event=False, progress_pct=40.0)
+    await sync_to_async(inst.mark_caching)(40.0)
     row = await listing.receive_from(timeout=3)
     assert row.startswith('<div id="instances-card"') and 'hx-swap-oob="true"' in row
     assert f'id="inst-row-{inst.pk}"' in row and "CACHING 40%" in row and "1 active" in row
     state = await one.receive_from(timeout=3)
     assert f'id="inst-state-{inst.pk}"' in state and "copying from the store: 40%" in state
     await events.log_lines(inst.pk, ["<b>not html</b>", "second"])
-    await sync_to_async(transition)(inst.pk, "LOADING", "starting")
+    await sync_to_async(lambda: inst.mark_loading(pid=4242, pgid=4242, port=18123, gpus=[], message="starting"))()
     got = ""
     while 'id="timeline"' not in got or "second" not in got:
         got += await one.receive_from(timeout=3)

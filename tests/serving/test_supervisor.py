@@ -1,4 +1,5 @@
-"""The supervisor with real llama-cpp-python backends on the tiny GGUF, driven in-process."""
+"""The supervisor with real llama.cpp backends on the tiny GGUF, driven in-process; the tests that
+take `engine` run on both llama-cpp-python and llama-server."""
 from __future__ import annotations
 
 import asyncio
@@ -18,10 +19,10 @@ from tests.serving.conftest import backend_pids, wait_state
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
-def _load(path, name, server_type="llm"):
+def _load(path, name, server_type="llm", backend=None):
     from serving.services import request_load
 
-    return request_load(model_path=str(path), model_name=name, server_type=server_type)
+    return request_load(model_path=str(path), model_name=name, server_type=server_type, backend=backend)
 
 
 def _events(instance_id):
@@ -30,9 +31,9 @@ def _events(instance_id):
     return list(InstanceEvent.objects.filter(instance_id=instance_id).values_list("from_state", "to_state"))
 
 
-async def test_load_chat_unload_leaves_nothing(agent, tiny_gguf):
-    inst = await sync_to_async(_load)(tiny_gguf, "tiny-chat")
-    assert inst.state == InstanceState.PENDING and inst.backend == "llama-cpp-python"
+async def test_load_chat_unload_leaves_nothing(agent, tiny_gguf, engine):
+    inst = await sync_to_async(_load)(tiny_gguf, "tiny-chat", backend=engine)
+    assert inst.state == InstanceState.PENDING and inst.backend == engine
     inst = await wait_state(inst.pk, {InstanceState.READY, InstanceState.ERROR})
     assert inst.state == InstanceState.READY, inst.last_error
     assert [to for _, to in await sync_to_async(_events)(inst.pk)] == ["PENDING", "LOADING", "WARMING", "READY"]
@@ -62,8 +63,8 @@ async def test_load_chat_unload_leaves_nothing(agent, tiny_gguf):
         httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2, trust_env=False)
 
 
-async def test_embedding_instance_answers_embeddings(agent, tiny_gguf):
-    inst = await sync_to_async(_load)(tiny_gguf, "tiny-embed", "embedding")
+async def test_embedding_instance_answers_embeddings(agent, tiny_gguf, engine):
+    inst = await sync_to_async(_load)(tiny_gguf, "tiny-embed", "embedding", backend=engine)
     inst = await wait_state(inst.pk, {InstanceState.READY, InstanceState.ERROR})
     assert inst.state == InstanceState.READY, inst.last_error
     async with httpx.AsyncClient(trust_env=False) as client:
@@ -71,8 +72,8 @@ async def test_embedding_instance_answers_embeddings(agent, tiny_gguf):
     assert r.status_code == 200 and len(r.json()["data"][0]["embedding"]) == 64
 
 
-async def test_killed_backend_goes_to_error_then_is_restarted(agent, tiny_gguf):
-    inst = await sync_to_async(_load)(tiny_gguf, "tiny-crash")
+async def test_killed_backend_goes_to_error_then_is_restarted(agent, tiny_gguf, engine):
+    inst = await sync_to_async(_load)(tiny_gguf, "tiny-crash", backend=engine)
     inst = await wait_state(inst.pk, {InstanceState.READY, InstanceState.ERROR})
     assert inst.state == InstanceState.READY, inst.last_error
     first_pid = inst.pid
@@ -93,17 +94,18 @@ async def test_killed_backend_goes_to_error_then_is_restarted(agent, tiny_gguf):
     assert backend_pids("tiny-crash", inst.port) == [inst.pid]
 
 
-async def test_backend_that_exits_at_once_is_an_error_with_its_last_lines(agent, tmp_path):
+async def test_backend_that_exits_at_once_is_an_error_with_its_last_lines(agent, tmp_path, engine):
     bad = tmp_path / "not-a-model.gguf"
     bad.write_bytes(b"this is not a GGUF file\n" * 10)
     started = time.monotonic()
-    inst = await sync_to_async(_load)(bad, "broken")
+    inst = await sync_to_async(_load)(bad, "broken", backend=engine)
     inst = await wait_state(inst.pk, {InstanceState.READY, InstanceState.ERROR}, timeout=30)
     assert inst.state == InstanceState.ERROR
     assert time.monotonic() - started < 30
     assert "while loading" in inst.state_message and "exited with code" in inst.state_message
     assert inst.exit_code not in (None, 0)
     assert inst.last_error.count("\n") >= 2, "the error carries the backend's last log lines"
+    assert "failed to load model" in inst.last_error.lower(), inst.last_error  # the engine's own words
     assert inst.pid is None
     # An ERROR after a failed load is not retried in a loop.
     await __import__("asyncio").sleep(1.5)

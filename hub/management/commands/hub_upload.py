@@ -1,10 +1,15 @@
-"""manage.py hub_upload PATH --format gguf|huggingface --name NAME
+"""manage.py hub_upload PATH --format gguf|huggingface --name NAME [--replace]
 
 Whoever runs this command already has a shell on the host as the console's user, so it is not
 limited to XGEN_IMPORT_DIRS (which bounds what the API and the Upload page may read). Every other
 rule of `hub.services.check_import_path` still holds: it refuses the console's own data, store,
 models and log dirs and its database (a copy would publish the secret key and the sessions, and
 opening the live database drops the server's SQLite locks), and FIFOs, sockets and devices.
+
+It runs the upload itself, in the foreground (no job, no agent), through the same service as an
+upload job (`hub.services.upload_local_model`), holding the model's write lock meanwhile: it
+stops when an upload or download writes the same name, and refuses to overwrite a complete model
+without --replace.
 """
 from __future__ import annotations
 
@@ -15,8 +20,8 @@ from pathlib import Path
 from django.core.management.base import BaseCommand, CommandError
 
 from hub import services
-from hub.paths import FORMAT_ROOTS, InvalidPrefix
-from hub.store import StoreError, get_store
+from hub.paths import FORMAT_ROOTS, InvalidPrefix, prefix_for
+from hub.store import ModelExists, StoreError, get_store
 
 
 class Command(BaseCommand):
@@ -28,6 +33,8 @@ class Command(BaseCommand):
         parser.add_argument("path", help="a .gguf file, or a folder (Hugging Face layout or GGUF files)")
         parser.add_argument("--format", required=True, choices=FORMAT_ROOTS)
         parser.add_argument("--name", required=True, help="the model's name in the store: <format>/<name>")
+        parser.add_argument("--replace", action="store_true",
+                            help="overwrite a complete model of that name (it is not loadable until the new one is in)")
 
     def handle(self, *args, **opts) -> None:
         store = get_store()
@@ -42,10 +49,16 @@ class Command(BaseCommand):
                 sys.stderr.flush()
 
         try:
-            artifact = services.upload_local_model(local_path=str(Path(opts["path"]).resolve()), format=opts["format"],
-                                                   name=opts["name"], store=store, progress=progress,
-                                                   limit_to_import_dirs=False)
+            prefix = prefix_for(opts["format"], opts["name"])
+            with services.prefix_locked(prefix, holder=services.process_holder("cli")):
+                artifact = services.upload_local_model(
+                    local_path=str(Path(opts["path"]).resolve()), format=opts["format"], name=opts["name"],
+                    store=store, progress=progress, limit_to_import_dirs=False, replace=opts["replace"])
         except (InvalidPrefix, services.HubInputError) as exc:
+            raise CommandError(str(exc)) from None
+        except ModelExists as exc:
+            raise CommandError(f"{exc} (--replace overwrites it)") from None
+        except services.PrefixBusy as exc:
             raise CommandError(str(exc)) from None
         except StoreError as exc:
             raise CommandError(f"the store failed: {exc}") from None

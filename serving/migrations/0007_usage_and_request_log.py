@@ -6,7 +6,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('serving', '0004_user_in_accounts'),
+        ('serving', '0006_instance_aliases'),
     ]
 
     operations = [

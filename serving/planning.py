@@ -1,0 +1,420 @@
+"""The load decision, made once: what a model is (its source), which node runs it, and the
+LaunchPlan: format, backend (flavour, version, binary), GPU type and GPUs, the command line as a
+template, the environment it adds, the host it listens on, the memory estimate and why.
+
+The web side makes the plan when a load is requested (the Load page's verdict and command line
+come from the same function) and stores it on the instance; the node agent launches from it,
+filling in only the port and the model's local path (a store prefix is synced into the node
+cache on the node, so that path is known only there), and the Python interpreter of a backend
+that runs as a module (the node's, which a web process on another host does not know). An
+instance from before plans existed
+gets its plan made once, on the node, from its row (`plan_for_instance`).
+"""
+from __future__ import annotations
+
+import re
+import shlex
+import sys
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path, PurePosixPath
+
+from django.conf import settings
+
+from hardware.models import GpuDevice, Node
+from hub import layout
+from hub.models import ModelArtifact
+from serving.adapters import InvalidExtraArgs, LaunchSpec, get_adapter
+from serving.models import InstanceType, ModelInstance
+from serving.placement import (
+    MemoryEstimate,
+    NodeOption,
+    PlacementError,
+    assign_gpus,
+    bind_host,
+    choose_node,
+    estimate_memory,
+    gib,
+    gpu_rooms,
+)
+from serving.selection import CPU, BackendUnavailable, choose_backend, node_gpu_type
+
+MODEL_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
+PREFIX_RE = re.compile(r"^(gguf|huggingface)/[A-Za-z0-9][A-Za-z0-9._-]{0,200}(/[A-Za-z0-9][A-Za-z0-9._-]{0,200})*$")
+# argv items the agent fills in at launch: the port it picks, the model's local path, its Python.
+PORT_SLOT = "{port}"
+MODEL_SLOT = "{model}"
+PYTHON_SLOT = "{python}"
+SLOTS = (PORT_SLOT, MODEL_SLOT, PYTHON_SLOT)
+CTX_FLAGS = ("--ctx-size", "--n_ctx", "--max-model-len")
+
+
+class LoadRefused(Exception):
+    """A request that cannot be done; `status` is the HTTP status the API answers with."""
+
+    def __init__(self, status: int, message: str, code: str = "invalid_request") -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+
+
+# ---------------------------------------------------------------- model source
+@dataclass(frozen=True)
+class ModelSource:
+    model_path: str  # as given (normalized)
+    kind: str  # "prefix" | "path"
+    fmt: str  # gguf | huggingface
+    local_path: Path | None  # a file or dir readable here (for the estimate), if any
+    artifact: ModelArtifact | None
+    size_bytes: int
+
+
+def _validate_prefix(prefix: str) -> str:
+    try:
+        from hub.paths import InvalidPrefix, validate_prefix
+    except ImportError:  # the hub's validator lands separately; same rules here meanwhile
+        if not PREFIX_RE.match(prefix) or ".." in prefix.split("/"):
+            raise LoadRefused(400, f"'{prefix[:120]}' is not a valid store prefix (like gguf/Name)") from None
+        return prefix
+    try:
+        return validate_prefix(prefix)
+    except InvalidPrefix as exc:
+        raise LoadRefused(400, f"'{prefix[:120]}' is not a valid store prefix: {exc}") from None
+
+
+def resolve_source(model_path: str, *, on_this_node: bool) -> ModelSource:
+    """What `model_path` names: a store prefix (must be in the store) or an absolute path on the node."""
+    raw = (model_path or "").strip()
+    if not raw or len(raw) > 1024 or any(c in raw for c in "\0\n\r"):
+        raise LoadRefused(400, "model_path is empty, too long, or has a newline/NUL")
+    try:
+        raw.encode("utf-8")
+    except UnicodeEncodeError:
+        raise LoadRefused(400, "model_path is not valid UTF-8") from None
+    if raw.startswith("/"):
+        parts = PurePosixPath(raw).parts
+        if ".." in parts:
+            raise LoadRefused(400, f"model_path {raw[:200]!r} contains '..'; give the real absolute path")
+        path = Path(raw)
+        if on_this_node:
+            if not path.exists():
+                raise LoadRefused(400, f"no file or directory at {raw[:200]} on this node")
+            # What a folder holds and which file of it is served: hub.layout's rules, the same the
+            # store and the node cache use.
+            if path.is_file():
+                if not layout.is_gguf(path.name):
+                    raise LoadRefused(400, f"{raw[:200]} is not a .gguf file (give a .gguf file or a model directory)")
+                return ModelSource(raw, "path", "gguf", path, None, layout.weights_bytes(path, layout.GGUF))
+            if layout.is_hf_folder(path):
+                return ModelSource(raw, "path", "huggingface", path, None,
+                                   layout.weights_bytes(path, layout.HUGGINGFACE))
+            found = layout.gguf_to_serve(path)
+            if found:
+                return ModelSource(raw, "path", "gguf", found, None, layout.weights_bytes(found, layout.GGUF))
+            raise LoadRefused(400, f"{raw[:200]} has neither config.json nor a .gguf file")
+        fmt = "gguf" if layout.is_gguf(raw) else "huggingface"
+        return ModelSource(raw, "path", fmt, None, None, 0)
+    if raw.startswith("~") or "\\" in raw:
+        raise LoadRefused(400, "model_path must be a store prefix (gguf/..., huggingface/...) or an absolute path")
+    prefix = _validate_prefix(raw)
+    artifact = ModelArtifact.objects.filter(prefix=prefix).first()
+    if artifact is not None:
+        if not artifact.complete:
+            raise LoadRefused(409, f"{prefix} is still being written to the store; try again when it is complete")
+        return ModelSource(prefix, "prefix", artifact.format, None, artifact, artifact.size_bytes)
+    manifest = _store_manifest(prefix)  # not indexed yet: the store is the source of truth
+    if manifest is None:
+        raise LoadRefused(400, f"no model {prefix!r} in the store (see /api/storage/models)", code="model_not_found")
+    return ModelSource(prefix, "prefix", prefix.split("/", 1)[0], None, None, manifest.size_bytes)
+
+
+def _store_manifest(prefix: str):
+    try:
+        from hub.store import get_store
+
+        return get_store().read_manifest(prefix)
+    except Exception as exc:  # an unreachable store is a clear refusal, not a 500
+        raise LoadRefused(503, f"the model store cannot be read: {exc.__class__.__name__}: {exc}",
+                          code="store_unavailable") from None
+
+
+def default_model_name(source: ModelSource) -> str:
+    base = PurePosixPath(source.model_path).name
+    if layout.is_gguf(base):
+        base = base[: -len(layout.GGUF_SUFFIX)]
+    name = re.sub(r"[^A-Za-z0-9._:/-]", "-", base).strip("-.") or "model"
+    return name[:128]
+
+
+# ---------------------------------------------------------------- the plan
+@dataclass(frozen=True)
+class LaunchPlan:
+    """How an instance's backend is started; stored on the instance as JSON (`to_json`)."""
+
+    model_name: str
+    server_type: str
+    model_path: str  # the store prefix or absolute path it serves
+    format: str  # gguf | huggingface
+    backend: str
+    flavour: str
+    version: str
+    executable: str
+    gpu_type: str  # the node's GPU type (NVIDIA, AMD_CDNA, AMD_RDNA), "" on a node without GPUs
+    gpus: tuple[int, ...]
+    tensor_parallel_size: int
+    argv: tuple[str, ...]  # with PORT_SLOT, MODEL_SLOT (and PYTHON_SLOT) where the agent fills them in
+    env: dict[str, str] = field(default_factory=dict)  # added to the allowlisted environment
+    host: str = "127.0.0.1"
+    estimate_mib: int = 0
+    estimate_detail: str = ""
+    reason: str = ""  # why this backend
+    fit: str = ""  # where it fits (the verdict line)
+
+    @property
+    def is_embedding(self) -> bool:
+        return self.server_type == InstanceType.EMBEDDING
+
+    @property
+    def known_model_file(self) -> str | None:
+        """The model path the backend gets, where it is known before the agent resolves it: an
+        absolute .gguf file or Hugging Face folder (a store prefix lands in the node's cache)."""
+        if self.model_path.startswith("/") and (layout.is_gguf(self.model_path) or self.format == "huggingface"):
+            return self.model_path
+        return None
+
+    def command(self, *, port: int | None = None, model: str | Path | None = None,
+                python: str | None = None) -> list[str]:
+        """The argv, with the port, the model path and the interpreter filled in where they are known."""
+        fill = {PORT_SLOT: None if port is None else str(port), MODEL_SLOT: None if model is None else str(model),
+                PYTHON_SLOT: python}
+        return [fill.get(item) or item for item in self.argv]
+
+    def command_line(self, *, port: int | None = None, model: str | Path | None = None,
+                     python: str | None = None) -> str:
+        """The command as a shell line to copy (placeholders left bare)."""
+        argv = self.command(port=port, model=model, python=python)
+        return " ".join(a if a in SLOTS else shlex.quote(a) for a in argv)
+
+    def to_json(self) -> dict:
+        data = asdict(self)
+        data["gpus"], data["argv"] = list(self.gpus), list(self.argv)
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict) -> LaunchPlan:
+        """The plan stored on an instance; ValueError when it is not one."""
+        if not isinstance(data, dict):
+            raise ValueError("a launch plan is a JSON object")
+        known = {f.name for f in fields(cls)}
+        try:
+            values = {k: v for k, v in data.items() if k in known}
+            values["gpus"] = tuple(int(g) for g in values.get("gpus") or ())
+            values["argv"] = tuple(str(a) for a in values["argv"])
+            values["env"] = {str(k): str(v) for k, v in (values.get("env") or {}).items()}
+            return cls(**values)
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"not a launch plan: {exc}") from None
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    """A planned load: the LaunchPlan and what the request and the Load page show beside it."""
+
+    source: ModelSource
+    node: Node
+    launch: LaunchPlan
+    estimate: MemoryEstimate
+    extra_args: dict  # normalized
+    placement: str = ""
+
+    @property
+    def model_name(self) -> str:
+        return self.launch.model_name
+
+    @property
+    def gpus(self) -> list[int]:
+        return list(self.launch.gpus)
+
+    @property
+    def fit(self) -> str:
+        return self.launch.fit
+
+    @property
+    def preview_model(self) -> str:
+        return str(self.source.local_path or self.source.model_path)
+
+    @property
+    def command(self) -> list[str]:
+        """The command line as it will run (the port is chosen at start)."""
+        return self.launch.command(model=self.preview_model, python=local_python(self.node.name))
+
+    @property
+    def command_line(self) -> str:
+        return self.launch.command_line(model=self.preview_model, python=local_python(self.node.name))
+
+
+def local_python(node_name: str) -> str | None:
+    """The interpreter a Python-module backend runs in on `node_name`, when that node's agent is
+    this process's (all-in-one); None when only that node knows it."""
+    return sys.executable if node_name == settings.NODE_NAME else None
+
+
+def make_launch_plan(*, node: Node, source: ModelSource, model_name: str, server_type: str, backend: str | None,
+                     gpus: list[int] | None, tensor_parallel_size: int | None, extra_args: dict | None,
+                     placed_gpus: list[int] | None = None) -> tuple[LaunchPlan, MemoryEstimate, dict]:
+    """The one place a load is decided: (plan, estimate, normalized extra_args); raises LoadRefused.
+
+    `placed_gpus`: GPUs already held by the instance (a plan made later for an existing row) are
+    taken as they are, without a new fit check."""
+    node_type = node_gpu_type(list(GpuDevice.objects.filter(node=node).values_list("type", flat=True)))
+    try:
+        choice = choose_backend(fmt=source.fmt, gpu_type=node_type, backends=node.backends,
+                                requested=backend, node_name=node.name)
+    except BackendUnavailable as exc:
+        raise LoadRefused(400, str(exc), code="backend_unavailable") from None
+    adapter = get_adapter(choice.backend)
+    try:
+        extra = adapter.normalize_extra_args(extra_args, choice.version)
+    except InvalidExtraArgs as exc:
+        raise LoadRefused(400, str(exc), code="invalid_extra_args") from None
+    tp = tensor_parallel_size or 1
+    if tp < 1 or tp > 64:
+        raise LoadRefused(400, "tensor_parallel_size must be 1..64")
+    ctx = next((extra[f] for f in CTX_FLAGS if extra.get(f)), None)
+    estimate = estimate_memory(source.local_path, fmt=source.fmt, size_bytes=source.size_bytes,
+                               ctx=int(ctx) if ctx else None)
+    if placed_gpus is not None:
+        chosen = list(placed_gpus)
+        where = f"GPU {', '.join(map(str, chosen))} of {node.name}" if chosen else f"the CPU of {node.name}"
+        fit = f"runs on {where} (as recorded): needs ~{gib(estimate.total_mib)}"
+    elif choice.uses_gpu:
+        try:
+            chosen, fit = assign_gpus(node_name=node.name, gpus=gpu_rooms(node), need_mib=estimate.total_mib,
+                                      requested=gpus or None, tensor_parallel_size=tp)
+        except PlacementError as exc:
+            raise LoadRefused(409, str(exc), code="does_not_fit") from None
+    else:
+        if gpus:
+            raise LoadRefused(400, f"{choice.backend} ({choice.flavour}) runs on the CPU; do not pick GPUs")
+        chosen, fit = [], f"runs on the CPU of {node.name}: needs ~{gib(estimate.total_mib)} of RAM"
+    # The node's GPU type also on a CPU placement: the backend is then told to see no GPU.
+    gpu_type = "" if node_type == CPU else node_type
+    spec = LaunchSpec(
+        model_file=Path(MODEL_SLOT), model_name=model_name, server_type=server_type, host=bind_host(node.address),
+        port=PORT_SLOT, gpus=tuple(chosen), gpu_type=gpu_type, flavour=choice.flavour, version=choice.version,
+        executable=choice.path, python=PYTHON_SLOT, tensor_parallel_size=tp, extra_args=extra,
+        extra_args_checked=True,
+    )
+    plan = LaunchPlan(
+        model_name=model_name, server_type=server_type, model_path=source.model_path, format=source.fmt,
+        backend=choice.backend, flavour=choice.flavour, version=choice.version, executable=choice.path,
+        gpu_type=gpu_type, gpus=tuple(chosen), tensor_parallel_size=tp, argv=tuple(adapter.build_command(spec)),
+        env=adapter.env_additions(spec), host=spec.host, estimate_mib=estimate.total_mib,
+        estimate_detail=estimate.detail, reason=choice.reason, fit=fit,
+    )
+    return plan, estimate, extra
+
+
+def pick_node(name: str | None) -> Node:
+    if name:
+        node = Node.objects.filter(name=name).first()
+        if node is None:
+            raise LoadRefused(400, f"unknown node {name!r}", code="node_not_found")
+        if not node.is_online:
+            raise LoadRefused(409, f"node {name} is {node.status}: its agent has not heartbeated "
+                                   f"for {int(node.heartbeat_age_s or 0)} s", code="node_offline")
+        return node
+    fresh = list(Node.fresh())
+    if not fresh:
+        raise LoadRefused(409, "no node agent is online to run the model", code="node_offline")
+    local = [n for n in fresh if n.name == settings.NODE_NAME]
+    return (local or fresh)[0]
+
+
+def plan_load(*, model_path: str, model_name: str | None = None, server_type: str = "llm",
+              backend: str | None = None, node: str | None = None, gpus: list[int] | None = None,
+              tensor_parallel_size: int | None = None, extra_args: dict | None = None) -> LoadPlan:
+    """Validate a load and decide node, backend, GPUs and the command; raises LoadRefused.
+
+    Without `node`, every online node is planned and the best kept (placement.choose_node).
+    """
+    if server_type not in (InstanceType.LLM, InstanceType.EMBEDDING):
+        raise LoadRefused(400, f"server_type must be llm or embedding, not {str(server_type)[:40]!r}")
+    kwargs = dict(model_path=model_path, model_name=model_name, server_type=server_type, backend=backend,
+                  gpus=gpus, tensor_parallel_size=tensor_parallel_size, extra_args=extra_args)
+    if node:
+        return _plan_on(pick_node(node), **kwargs)
+    candidates = list(Node.fresh())
+    if not candidates:
+        raise LoadRefused(409, "no node agent is online to run the model", code="node_offline")
+    if len(candidates) == 1:
+        return _plan_on(candidates[0], **kwargs)
+    options: list[NodeOption] = []
+    refusals: list[LoadRefused] = []
+    for candidate in candidates:
+        try:
+            plan = _plan_on(candidate, **kwargs)
+        except LoadRefused as exc:
+            if exc.status == 400 and exc.code not in ("backend_unavailable", "does_not_fit"):
+                raise  # a bad request is bad on every node
+            refusals.append(exc)
+            continue
+        options.append(NodeOption(node=candidate, gpus=plan.gpus, payload=plan))
+    if not options:
+        worst = max(refusals, key=lambda e: e.status)
+        reasons = "; ".join(f"{e}" for e in refusals)
+        raise LoadRefused(worst.status, f"no online node can run it: {reasons}", code=worst.code)
+    first: LoadPlan = options[0].payload
+    best, why = choose_node(options, model_path=first.source.model_path, from_store=first.source.kind == "prefix")
+    plan: LoadPlan = best.payload
+    return LoadPlan(plan.source, plan.node, plan.launch, plan.estimate, plan.extra_args, placement=why)
+
+
+def _plan_on(target: Node, *, model_path: str, model_name: str | None, server_type: str, backend: str | None,
+             gpus: list[int] | None, tensor_parallel_size: int | None, extra_args: dict | None) -> LoadPlan:
+    """The plan for one node; raises LoadRefused."""
+    if not target.detector and not target.backends:
+        raise LoadRefused(409, f"node {target.name} has not reported its hardware and backends yet (its agent is "
+                               "still starting); try again in a few seconds", code="node_not_ready")
+    source = resolve_source(model_path, on_this_node=target.name == settings.NODE_NAME)
+    name = (model_name or "").strip() or default_model_name(source)
+    if not MODEL_NAME_RE.match(name):
+        raise LoadRefused(400, f"model_name {name[:80]!r} may use letters, digits and . _ : / - (max 128)")
+    launch, estimate, extra = make_launch_plan(
+        node=target, source=source, model_name=name, server_type=server_type, backend=backend, gpus=gpus,
+        tensor_parallel_size=tensor_parallel_size, extra_args=extra_args)
+    return LoadPlan(source, target, launch, estimate, extra, placement=f"on {target.name}")
+
+
+# ---------------------------------------------------------------- plans of stored instances
+def stored_plan(inst: ModelInstance) -> LaunchPlan | None:
+    """The plan stored on the instance, or None (an instance from before plans, or an unreadable one)."""
+    if not inst.plan:
+        return None
+    try:
+        return LaunchPlan.from_json(inst.plan)
+    except ValueError:
+        return None
+
+
+def plan_for_instance(inst: ModelInstance) -> LaunchPlan:
+    """The instance's plan; one from before plans existed (0.1.0) is made now, on its node, from
+    its row (backend, GPUs, tensor parallel size and extra_args as recorded; GPUs are placed
+    afresh only when the row holds none), and stored.
+    Raises LoadRefused when it cannot be made (backend gone, model path missing, bad extra_args)."""
+    plan = stored_plan(inst)
+    if plan is not None:
+        return plan
+    if inst.model_path.startswith("/"):
+        source = resolve_source(inst.model_path, on_this_node=True)
+    else:
+        artifact = inst.artifact if inst.artifact_id else None
+        fmt = artifact.format if artifact else inst.model_path.split("/", 1)[0]
+        source = ModelSource(inst.model_path, "prefix", fmt, None, artifact, artifact.size_bytes if artifact else 0)
+    plan, _, _ = make_launch_plan(
+        node=inst.node, source=source, model_name=inst.model_name, server_type=inst.type, backend=inst.backend,
+        gpus=None, tensor_parallel_size=inst.tensor_parallel_size, extra_args=inst.extra_args,
+        placed_gpus=list(inst.gpus) if inst.gpus else None)
+    ModelInstance.objects.filter(pk=inst.pk).update(plan=plan.to_json())
+    inst.plan = plan.to_json()
+    return plan

@@ -1,0 +1,43 @@
+"""Migration 0005 (launch plan) on a database 0.1.0 filled: instances that raced to one served name become
+numbered replicas (so the unique index can be built), and their rows have no plan yet."""
+from __future__ import annotations
+
+import pytest
+from django.db import connection
+from django.db.migrations.executor import MigrationExecutor
+from django.utils import timezone
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+BEFORE = [("serving", "0003_restart_requested")]
+
+
+def _migrate(targets):
+    executor = MigrationExecutor(connection)
+    executor.loader.build_graph()
+    executor.migrate(targets)
+    return executor.loader.project_state(targets).apps
+
+
+def test_duplicates_from_0_1_0_become_replicas():
+    apps = _migrate(BEFORE)
+    try:
+        Node = apps.get_model("hardware", "Node")
+        Instance = apps.get_model("serving", "ModelInstance")
+        node = Node.objects.create(name="old-node", address="127.0.0.1", last_heartbeat=timezone.now())
+        ids = [Instance.objects.create(model_name=name, model_path="/m.gguf", backend="llama-cpp-python", node=node,
+                                       state=state, desired_state=desired).pk
+               for name, state, desired in [("twin", "READY", "RUNNING"), ("twin", "LOADING", "RUNNING"),
+                                            ("twin", "STOPPED", "RUNNING"), ("twin", "STOPPED", "STOPPED"),
+                                            ("solo", "READY", "RUNNING")]]
+    finally:
+        apps = _migrate(_latest())
+    Instance = apps.get_model("serving", "ModelInstance")
+    replicas = [Instance.objects.get(pk=pk).replica for pk in ids]
+    assert replicas == [0, 1, 2, 0, 0]
+    assert all(Instance.objects.get(pk=pk).plan is None for pk in ids)
+
+
+def _latest():
+    executor = MigrationExecutor(connection)
+    return executor.loader.graph.leaf_nodes()
