@@ -100,6 +100,7 @@ def delete_model(request: HttpRequest, prefix: str):
         record_audit(action="model_delete", target=prefix, request=request, outcome="refused", detail={"reason": str(exc)})
         raise _bad_input(exc) from None
     except services.PrefixBusy as exc:
+        record_audit(action="model_delete", target=prefix, request=request, outcome="refused", detail={"reason": str(exc)})
         raise _conflict(exc) from None
     except StoreError as exc:
         record_audit(action="model_delete", target=prefix, request=request, outcome="failed", detail={"reason": str(exc)})
@@ -132,6 +133,7 @@ def upload(request: HttpRequest, body: UploadIn):
         record_audit(action="upload", target=target, request=request, outcome="refused", detail={"reason": str(exc)})
         raise _bad_input(exc) from None
     except (ModelExists, services.PrefixBusy) as exc:
+        record_audit(action="upload", target=target, request=request, outcome="refused", detail={"reason": str(exc)})
         raise _conflict(exc) from None
     except StoreError as exc:
         record_audit(action="upload", target=target, request=request, outcome="failed", detail={"reason": str(exc)})
@@ -181,6 +183,8 @@ def start_download(request: HttpRequest, body: DownloadIn):
                      detail={"reason": str(exc)})
         raise _bad_input(exc) from None
     except services.PrefixBusy as exc:
+        record_audit(action="download", target=body.repo_id, request=request, outcome="refused",
+                     detail={"reason": str(exc)})
         raise _conflict(exc) from None
     record_audit(action="download", target=body.repo_id, request=request,
                  detail={"job": job.pk, "revision": job.revision, "format": job.format})

@@ -63,6 +63,7 @@ def model_delete(request: HttpRequest) -> HttpResponse:
         messages.error(request, str(exc))
         return render(request, "hub/message.html", {"title": "Delete refused"}, status=400)
     except services.PrefixBusy as exc:
+        record_audit(action="model_delete", target=prefix, request=request, outcome="refused", detail={"reason": str(exc)})
         messages.error(request, str(exc))
         return render(request, "hub/message.html", {"title": "Delete refused"}, status=409)
     except StoreError as exc:
@@ -115,6 +116,7 @@ def upload_page(request: HttpRequest) -> HttpResponse:
             messages.error(request, str(exc))
             status = 400
         except (ModelExists, services.PrefixBusy) as exc:
+            record_audit(action="upload", target=target, request=request, outcome="refused", detail={"reason": str(exc)})
             messages.error(request, str(exc))
             status = 409
         except StoreError as exc:
@@ -164,6 +166,8 @@ def downloads_page(request: HttpRequest) -> HttpResponse:
                 messages.error(request, str(exc))
                 status = 400
             except services.PrefixBusy as exc:
+                record_audit(action="download", target=form["repo_id"], request=request, outcome="refused",
+                             detail={"reason": str(exc)})
                 messages.error(request, str(exc))
                 status = 409
             else:
