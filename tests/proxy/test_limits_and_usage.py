@@ -179,6 +179,28 @@ def test_allowed_models_refuse_others_and_list_only_theirs(limited):
     assert {m["id"] for m in everything["data"]} == {"usage-echo", "other-echo"}
 
 
+def test_the_proxys_own_refusals_carry_server_timing_rate_headers_and_the_messages_shape(limited):
+    """Issue 14 on issue 15's proxy: a limited key's 200 and 429 both carry Server-Timing and the
+    x-ratelimit-* headers; a refusal on /v1/messages comes in Anthropic's error shape."""
+    _, key = new_key(limited, rpm=1, allowed_models=["usage-echo"])
+    auth = {"Authorization": f"Bearer {key}"}
+    ok = chat(limited, key)
+    assert ok.status_code == 200 and ok.headers["x-ratelimit-remaining-requests"] == "0"
+    assert "upstream;dur=" in ok.headers["server-timing"]
+    refused = chat(limited, key)
+    assert refused.status_code == 429 and error_of(refused)["code"] == "rate_limit_exceeded"
+    assert refused.headers["server-timing"].startswith("proxy;dur=")
+    assert refused.headers["x-ratelimit-limit-requests"] == "1"
+    body = {"model": "usage-echo", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
+    messages = httpx.post(f"{limited.url}/v1/messages", json=body, headers={"x-api-key": key}, timeout=30)
+    assert messages.status_code == 429 and messages.headers["x-ratelimit-limit-requests"] == "1"
+    assert messages.json()["type"] == "error" and "server-timing" in messages.headers
+    other = httpx.post(f"{limited.url}/v1/messages", json={**body, "model": "other-echo"}, headers=auth, timeout=30)
+    assert other.status_code == 403 and other.json()["type"] == "error"
+    listing = httpx.get(f"{limited.url}/v1/models", headers=auth)
+    assert listing.headers["x-ratelimit-remaining-requests"] == "0" and "server-timing" in listing.headers
+
+
 def test_stream_usage_is_asked_for_and_hidden_from_a_client_that_did_not_ask(limited, usage_backend):
     _, key = new_key(limited)
     events, _ = stream(limited, key)
