@@ -6,7 +6,14 @@ import pytest
 from django.test import Client
 
 from accounts.models import ROLE_RANK, Role
-from tests.security.routes import ADDED_API, ADDED_PAGES, PUBLIC_PAGES, api_operations, page_routes
+from tests.security.routes import (
+    ADDED_API,
+    ADDED_PAGES,
+    MISSING_ID,
+    PUBLIC_PAGES,
+    api_operations,
+    page_routes,
+)
 
 
 @pytest.mark.django_db
@@ -30,12 +37,14 @@ def test_the_matrix_sees_every_route():
     assert ADDED_PAGES <= set(page_routes()), ADDED_PAGES - set(page_routes())
     # Uploads are jobs: viewers may watch them, operators start and cancel them.
     assert {("POST", "/api/storage/upload", "operator"), ("GET", "/api/storage/uploads", "viewer"),
-            ("GET", "/api/storage/uploads/1", "viewer"), ("POST", "/api/storage/uploads/1/cancel", "operator")} <= set(ops)
+            ("GET", f"/api/storage/uploads/{MISSING_ID}", "viewer"),
+            ("POST", f"/api/storage/uploads/{MISSING_ID}/cancel", "operator")} <= set(ops)
     assert "/models/uploads/1/cancel/" in pages
     # Node caches: the hub's router at the node's URL; viewers look, operators evict and verify.
-    assert {("GET", "/api/hardware/nodes/1/cache", "viewer"), ("POST", "/api/hardware/nodes/1/cache/evict", "operator"),
-            ("POST", "/api/hardware/nodes/1/cache/verify", "operator"),
-            ("GET", "/api/hardware/nodes/1/cache/jobs/1", "viewer")} <= set(ops)
+    assert {("GET", f"/api/hardware/nodes/{MISSING_ID}/cache", "viewer"),
+            ("POST", f"/api/hardware/nodes/{MISSING_ID}/cache/evict", "operator"),
+            ("POST", f"/api/hardware/nodes/{MISSING_ID}/cache/verify", "operator"),
+            ("GET", f"/api/hardware/nodes/{MISSING_ID}/cache/jobs/{MISSING_ID}", "viewer")} <= set(ops)
 
 
 @pytest.mark.django_db
