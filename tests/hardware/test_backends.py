@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import sys
 from pathlib import Path
 
 import pytest
@@ -150,6 +151,7 @@ def test_llama_cpp_python_without_its_own_library_gets_the_cached_one(monkeypatc
     package.mkdir(parents=True)
     (package / "__init__.py").write_text("")
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.delitem(sys.modules, "llama_cpp", raising=False)  # find_spec must see the stand-in, not the real one
     # Installed with CMAKE_ARGS=-DLLAMA_BUILD=OFF: no lib/ of its own.
     assert llama_cpp_lib_env() == {"LLAMA_CPP_LIB_PATH": str(build / "lib")}
     monkeypatch.setenv("LLAMA_CPP_LIB_PATH", "/opt/my-llama/lib")  # one set by hand is left alone
@@ -182,6 +184,7 @@ def test_a_llama_cpp_python_that_cannot_load_its_library_is_unavailable(tmp_path
     (tmp_path / "llama_cpp" / "__init__.py").write_text(
         'raise OSError("libcudart.so.12: cannot open shared object file: No such file or directory")\n')
     monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "llama_cpp", raising=False)  # find_spec must see the stand-in, not the real one
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     row = backends.probe_llama_cpp_python()
     assert row["available"] is False and row["path"] == str(tmp_path / "llama_cpp")
