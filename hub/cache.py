@@ -183,8 +183,16 @@ def _write_local_manifest(local_dir: Path, manifest: Manifest) -> None:
     body = {"prefix": manifest.prefix, "format": manifest.format, "synced_at": timezone.now().isoformat(),
             "size_bytes": manifest.size_bytes, "files": files}
     tmp = local_dir / (LOCAL_MANIFEST + PART)
-    tmp.write_text(json.dumps(body, indent=1))
-    os.replace(tmp, local_dir / LOCAL_MANIFEST)
+    try:
+        tmp.write_text(json.dumps(body, indent=1))
+        os.replace(tmp, local_dir / LOCAL_MANIFEST)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        if exc.errno == errno.ENOSPC:  # the disk filled after the last file: the model is not cached
+            raise CacheFull(f"the cache disk filled up while copying {manifest.prefix}: "
+                            f"{_free_bytes(local_dir) / 2**20:.1f} MiB free in {local_dir.parent}; "
+                            "partial files were removed") from exc
+        raise
 
 
 def _plan(manifest: Manifest, local_dir: Path, local: dict | None) -> tuple[list[ManifestFile], list[ManifestFile]]:
