@@ -39,6 +39,7 @@ log = logging.getLogger("xgen.accounts")
 CREDENTIALS_GROUP = "accounts.credentials"
 STALE_FACTOR = 10  # a cached entry is served (while it is re-read) up to this many TTLs old
 LAST_USED_FLUSH_S = 10.0
+LAYER_TIMEOUT_S = 5.0
 GROUP_RENEW_S = 300.0  # channels-redis forgets a group member after its group_expiry
 _ORIGIN = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"  # this process, to skip its own pushes
 
@@ -315,8 +316,9 @@ class CredentialUpkeep:
         while True:
             try:
                 if layer is not None and (channel is None or time.monotonic() - joined_at > GROUP_RENEW_S):
-                    channel = channel or await layer.new_channel()
-                    await layer.group_add(CREDENTIALS_GROUP, channel)
+                    # Bounded: a channel layer that hangs (Redis restarting) must not stall the refresh below.
+                    channel = channel or await asyncio.wait_for(layer.new_channel(), LAYER_TIMEOUT_S)
+                    await asyncio.wait_for(layer.group_add(CREDENTIALS_GROUP, channel), LAYER_TIMEOUT_S)
                     joined_at = time.monotonic()
                 if channel is not None:
                     with contextlib.suppress(TimeoutError):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import socket
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -255,12 +256,18 @@ def port_bindable(port: int, host: str = "127.0.0.1") -> bool:
         return True
 
 
-def pick_port(*, taken: set[int], prefer: int | None = None) -> int:
-    """A port in BACKEND_PORT_MIN..MAX not held by another instance and actually bindable now."""
+def pick_port(*, taken: set[int], prefer: int | None = None, spread_by: str = "") -> int:
+    """A port in BACKEND_PORT_MIN..MAX not held by another instance and actually bindable now.
+
+    `spread_by` (the node's name) starts the scan at a point of its own, so agents that share one
+    host and start backends at the same moment do not race for the same first free port."""
     if prefer and prefer not in taken and settings.BACKEND_PORT_MIN <= prefer <= settings.BACKEND_PORT_MAX \
             and port_bindable(prefer):
         return prefer
-    for port in range(settings.BACKEND_PORT_MIN, settings.BACKEND_PORT_MAX + 1):
+    span = settings.BACKEND_PORT_MAX - settings.BACKEND_PORT_MIN + 1
+    offset = zlib.crc32(spread_by.encode()) % span if spread_by else 0
+    for i in range(span):
+        port = settings.BACKEND_PORT_MIN + (offset + i) % span
         if port not in taken and port_bindable(port):
             return port
     raise PlacementError(

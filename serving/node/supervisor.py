@@ -354,7 +354,7 @@ class Supervisor(AgentWorker):
         ).exclude(pk=inst.pk).values_list("port", flat=True)))())
         taken |= {r.port for pk, r in self.runs.items() if pk != inst.pk and r.port}
         try:
-            return pick_port(taken=taken, prefer=inst.port)
+            return pick_port(taken=taken, prefer=inst.port, spread_by=self.agent.name)
         except PlacementError as exc:
             raise LoadFailed(str(exc)) from None
 

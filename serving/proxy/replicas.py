@@ -24,6 +24,7 @@ from live.db import DatabaseUnavailable, run_db
 log = logging.getLogger("xgen.proxy")
 
 REFRESH_S = 1.0
+LAYER_TIMEOUT_S = 5.0
 GROUP_RENEW_S = 300.0  # channels-redis forgets a group member after its group_expiry
 # A replica that refused a connection is tried last for this long.
 DOWN_S = 2.0
@@ -177,8 +178,9 @@ class RoutingTable:
         while True:
             try:
                 if layer is not None and (channel is None or time.monotonic() - joined_at > GROUP_RENEW_S):
-                    channel = channel or await layer.new_channel()
-                    await layer.group_add(ROUTING_GROUP, channel)
+                    # Bounded: a channel layer that hangs (Redis restarting) must not stall the refresh below.
+                    channel = channel or await asyncio.wait_for(layer.new_channel(), LAYER_TIMEOUT_S)
+                    await asyncio.wait_for(layer.group_add(ROUTING_GROUP, channel), LAYER_TIMEOUT_S)
                     joined_at = time.monotonic()
                 if channel is not None:
                     with contextlib.suppress(TimeoutError):

@@ -82,3 +82,9 @@ def test_ports_skip_taken_and_unbindable(settings):
         assert got == port + 2
         with pytest.raises(PlacementError, match="no free backend port"):
             pick_port(taken={port + 1, port + 2})
+
+
+def test_agents_on_one_host_start_their_port_scan_apart(settings):
+    settings.BACKEND_PORT_MIN, settings.BACKEND_PORT_MAX = 18000, 18999
+    firsts = {pick_port(taken=set(), spread_by=name) for name in ("node-a", "node-b")}
+    assert len(firsts) == 2  # two agents racing to start a backend do not pick the same port
