@@ -75,6 +75,7 @@ LLAMA_SERVER_BIN = env_str("XGEN_LLAMA_SERVER_BIN")
 
 # Inference proxy.
 PROXY_MAX_BODY_BYTES = env_int("XGEN_PROXY_MAX_BODY", 16 * 1024 * 1024, minimum=1024)
+PROXY_ROUTING_PUSH = True  # the routing table refreshes in the background (pushed); settings_test turns it off
 PROXY_MAX_SSE_EVENT_BYTES = env_int("XGEN_PROXY_MAX_SSE_EVENT", 8 * 1024 * 1024, minimum=1024)
 PROXY_CONNECT_TIMEOUT_S = env_int("XGEN_PROXY_CONNECT_TIMEOUT", 5, minimum=1)
 API_KEY_CACHE_S = env_int("XGEN_API_KEY_CACHE", 30, minimum=0)

@@ -15,3 +15,8 @@ atexit.register(shutil.rmtree, _tmp, True)
 from xgenconsole.settings import *  # noqa: E402,F401,F403
 
 PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]  # fast in tests only
+
+# In-process tests' event loops come and go: the routing table reads the database when stale
+# instead of refreshing in a background task bound to one test's loop (consoles the tests start
+# as processes use the real settings, push included).
+PROXY_ROUTING_PUSH = False

@@ -19,6 +19,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from django.conf import settings
+
 from live.db import DatabaseUnavailable, run_db
 
 log = logging.getLogger("xgen.proxy")
@@ -99,7 +101,7 @@ def _read_rows() -> tuple[list[dict], set[str]]:
 class RoutingTable:
     """READY backends; re-read in the background (pushed, and every REFRESH_S), single-flight."""
 
-    def __init__(self, *, listen: bool = False) -> None:
+    def __init__(self, *, listen: bool | None = False) -> None:
         self._snapshot: RoutingSnapshot | None = None
         self._fresh = False
         self._loaded_at = 0.0
@@ -117,7 +119,7 @@ class RoutingTable:
 
     async def snapshot(self) -> RoutingSnapshot:
         """The current table. Only a process's first request (or one after `invalidate()`) waits."""
-        if self._listen:
+        if self._listen or (self._listen is None and settings.PROXY_ROUTING_PUSH):
             self._ensure_listener()
         if self._snapshot is not None and self._fresh and (
                 self._listening() or time.monotonic() - self._loaded_at < REFRESH_S):
@@ -259,4 +261,6 @@ class RoutingTable:
         return sorted(rotated, key=lambda b: (b.down_until > now, b.in_flight))
 
 
-routing_table = RoutingTable(listen=True)
+# Listens in servers (settings.PROXY_ROUTING_PUSH); the test settings turn it off for in-process
+# tests, whose event loops come and go (a test that wants it makes its own RoutingTable(listen=True)).
+routing_table = RoutingTable(listen=None)
