@@ -33,14 +33,13 @@ from django.contrib.auth.signals import user_logged_out
 from accounts.errors import ErrorAnswer
 from accounts.models import ROLE_RANK, ApiKey, Role, hash_key
 from live.db import db_async, run_db
+from live.groups import GroupListener
 
 log = logging.getLogger("xgen.accounts")
 
 CREDENTIALS_GROUP = "accounts.credentials"
 STALE_FACTOR = 10  # a cached entry is served (while it is re-read) up to this many TTLs old
 LAST_USED_FLUSH_S = 10.0
-LAYER_TIMEOUT_S = 5.0
-GROUP_RENEW_S = 300.0  # channels-redis forgets a group member after its group_expiry
 _ORIGIN = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"  # this process, to skip its own pushes
 
 
@@ -308,31 +307,11 @@ class CredentialUpkeep:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="credentials-upkeep")
 
     async def _run(self) -> None:
-        from channels.layers import get_channel_layer
-
-        layer = get_channel_layer()
-        channel = None
-        joined_at = 0.0
+        listener = GroupListener(CREDENTIALS_GROUP)
         while True:
-            try:
-                if layer is not None and (channel is None or time.monotonic() - joined_at > GROUP_RENEW_S):
-                    # Bounded: a channel layer that hangs (Redis restarting) must not stall the refresh below.
-                    channel = channel or await asyncio.wait_for(layer.new_channel(), LAYER_TIMEOUT_S)
-                    await asyncio.wait_for(layer.group_add(CREDENTIALS_GROUP, channel), LAYER_TIMEOUT_S)
-                    joined_at = time.monotonic()
-                if channel is not None:
-                    with contextlib.suppress(TimeoutError):
-                        message = await asyncio.wait_for(layer.receive(channel), 1.0)
-                        if message.get("origin") != _ORIGIN:
-                            _apply_change(str(message.get("scope")), message.get("credential"))
-                else:
-                    await asyncio.sleep(1.0)
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # a channel layer that is down (Redis restarting): join again later
-                log.debug("credentials push unavailable; the TTL applies", exc_info=True)
-                channel, joined_at = None, 0.0
-                await asyncio.sleep(1.0)
+            message = await listener.receive(1.0)
+            if message is not None and message.get("origin") != _ORIGIN:
+                _apply_change(str(message.get("scope")), message.get("credential"))
             if _last_used and time.monotonic() - _last_flush[0] > LAST_USED_FLUSH_S:
                 try:
                     await run_db(flush_last_used)

@@ -124,7 +124,8 @@ async def _run_child(job: DownloadJob, dest: Path) -> list[dict]:
     try:
         while proc.returncode is None:
             try:
-                await asyncio.wait_for(proc.wait(), POLL_S)
+                async with asyncio.timeout(POLL_S):  # not wait_for: see live/groups.py
+                    await proc.wait()
             except TimeoutError:
                 pass
             current = await _get_job(job.pk)

@@ -78,11 +78,13 @@ def _upsert_artifact(model: StoredModel, *, source_repo: str = "", source_revisi
 def refresh_index(*, store: ModelStore | None = None) -> int:
     """Make the ModelArtifact table match the store (one listing per format, bulk writes);
     returns the model count. Source repo and revision, known only to the index, are kept. Rows of
-    prefixes a writer holds the lock of are the writer's to set (it re-indexes when it ends)."""
+    prefixes a writer holds the lock of are the writer's to set (it re-indexes when it ends), and so
+    are rows a writer indexed while the listing ran: the listing is older than they are."""
     store = store or get_store()
-    models = store.scan_models()
-    now = timezone.now()
+    started = timezone.now()
     locked = set(PrefixLock.objects.values_list("prefix", flat=True))
+    models = store.scan_models()
+    locked |= set(PrefixLock.objects.values_list("prefix", flat=True))
     existing = {a.prefix: a for a in ModelArtifact.objects.all() if a.prefix not in locked}
     fields = ("format", "name", "files", "size_bytes", "file_count", "complete", "indexed_at")
     new, changed = [], []
@@ -91,19 +93,26 @@ def refresh_index(*, store: ModelStore | None = None) -> int:
             continue
         values = {"format": model.format, "name": model.prefix.split("/", 1)[1], "files": model.files,
                   "size_bytes": model.size_bytes, "file_count": model.file_count, "complete": model.complete,
-                  "indexed_at": now}
+                  "indexed_at": started}
         row = existing.pop(model.prefix, None)
         if row is None:
             new.append(ModelArtifact(prefix=model.prefix, **values))
+        elif row.indexed_at >= started:
+            continue  # a writer indexed it after the listing began
         elif any(getattr(row, k) != v for k, v in values.items() if k != "indexed_at"):
             for k, v in values.items():
                 setattr(row, k, v)
             changed.append(row)
+    stale = [prefix for prefix, row in existing.items() if row.indexed_at < started]
     with transaction.atomic():
-        ModelArtifact.objects.bulk_create(new, batch_size=500)
+        if changed:  # rows a writer re-indexed since they were read are the writer's
+            fresh = set(ModelArtifact.objects.filter(pk__in=[r.pk for r in changed], indexed_at__gte=started)
+                        .values_list("pk", flat=True))
+            changed = [r for r in changed if r.pk not in fresh]
+        ModelArtifact.objects.bulk_create(new, batch_size=500, ignore_conflicts=True)
         ModelArtifact.objects.bulk_update(changed, fields, batch_size=500)
-        if existing:
-            ModelArtifact.objects.filter(prefix__in=list(existing)).delete()
+        if stale:
+            ModelArtifact.objects.filter(prefix__in=stale, indexed_at__lt=started).delete()
     return len(models)
 
 

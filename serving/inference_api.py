@@ -11,6 +11,7 @@ import asyncio
 from typing import Literal
 
 from django.conf import settings
+from django.core.handlers.asgi import ASGIRequest
 from django.http import HttpRequest, HttpResponse, StreamingHttpResponse
 from ninja import Field, Router, Schema
 from pydantic import ConfigDict
@@ -134,6 +135,27 @@ async def _principal(request: HttpRequest) -> Principal | None:
         return None
 
 
+async def _answer(request: HttpRequest, chunks, status: int, headers) -> StreamingHttpResponse:
+    """The proxy's answer as Django's response. Under an ASGI server the view's event loop lives
+    as long as the response, so the body streams from the backend as it comes. Anywhere else
+    (the WSGI handler, Django's test client) the view's loop ends when the view returns, and with
+    it the tasks and connections the stream is read from: there the body is read here, and the
+    response replays it (an async iterator bound to no loop)."""
+    if not isinstance(request, ASGIRequest):
+        body = [chunk async for chunk in chunks]
+        chunks = _replay(body)
+    response = StreamingHttpResponse(chunks, status=status)
+    for name, value in headers:
+        if name != b"content-length":
+            response[name.decode("latin-1")] = value.decode("latin-1")
+    return response
+
+
+async def _replay(body: list[bytes]):
+    for chunk in body:
+        yield chunk
+
+
 async def _forward(request: HttpRequest, kind: str) -> HttpResponse:
     raw_headers = _raw_headers(request)
     request_id = request_id_from(dict(raw_headers))
@@ -154,11 +176,7 @@ async def _forward(request: HttpRequest, kind: str) -> HttpResponse:
         )
     except ProxyError as exc:
         return _error(exc, ctx)
-    response = StreamingHttpResponse(reply.chunks(), status=reply.status)
-    for name, value in reply.headers():
-        if name not in (b"content-length",):
-            response[name.decode("latin-1")] = value.decode("latin-1")
-    return response
+    return await _answer(request, reply.chunks(), reply.status, reply.headers())
 
 
 async def _via_proxy(request: HttpRequest) -> HttpResponse:
@@ -203,11 +221,7 @@ async def _via_proxy(request: HttpRequest) -> HttpResponse:
             if not task.done():
                 task.cancel()
 
-    response = StreamingHttpResponse(chunks(), status=start["status"])
-    for name, value in start["headers"]:
-        if name != b"content-length":
-            response[name.decode("latin-1")] = value.decode("latin-1")
-    return response
+    return await _answer(request, chunks(), start["status"], start["headers"])
 
 
 @router.get("/v1/models", response=ModelList, summary="List READY models")

@@ -128,7 +128,8 @@ class NodeAgent:
     async def wait_for_nudge(self, timeout: float) -> bool:
         """Sleep until nudged or `timeout` passes; True when nudged."""
         try:
-            await asyncio.wait_for(self._wake.wait(), timeout)
+            async with asyncio.timeout(timeout):  # not wait_for: see live/groups.py
+                await self._wake.wait()
             return True
         except TimeoutError:
             return False

@@ -170,7 +170,8 @@ async def stop_group(pgid: int | None, *, proc: asyncio.subprocess.Process | Non
         os.killpg(pgid, signal.SIGTERM)
     if proc is not None:
         try:
-            await asyncio.wait_for(proc.wait(), grace_s)
+            async with asyncio.timeout(grace_s):
+                await proc.wait()
         except TimeoutError:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pgid, signal.SIGKILL)

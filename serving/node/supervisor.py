@@ -401,7 +401,8 @@ class Supervisor(AgentWorker):
             hint = run.tailer.ready_hint
             with contextlib.suppress(TimeoutError):
                 fast = time.monotonic() - started < FAST_POLL_FOR_S
-                await asyncio.wait_for(hint.wait(), HEALTH_POLL_FAST_S if fast else HEALTH_POLL_S)
+                async with asyncio.timeout(HEALTH_POLL_FAST_S if fast else HEALTH_POLL_S):
+                    await hint.wait()
             hint.clear()
         return f"{run.adapter.label} did not answer {run.adapter.health_path} within {timeout:g} s"
 

@@ -22,12 +22,11 @@ from dataclasses import dataclass, field
 from django.conf import settings
 
 from live.db import DatabaseUnavailable, run_db
+from live.groups import GroupListener
 
 log = logging.getLogger("xgen.proxy")
 
 REFRESH_S = 1.0
-LAYER_TIMEOUT_S = 5.0
-GROUP_RENEW_S = 300.0  # channels-redis forgets a group member after its group_expiry
 # A replica that refused a connection is tried last for this long.
 DOWN_S = 2.0
 
@@ -170,31 +169,11 @@ class RoutingTable:
 
     async def _background(self) -> None:
         """Re-read on every `routing.changed` message, and every REFRESH_S without one."""
-        from channels.layers import get_channel_layer
-
         from serving.events import ROUTING_GROUP
 
-        layer = get_channel_layer()
-        channel = None
-        joined_at = 0.0
+        listener = GroupListener(ROUTING_GROUP)
         while True:
-            try:
-                if layer is not None and (channel is None or time.monotonic() - joined_at > GROUP_RENEW_S):
-                    # Bounded: a channel layer that hangs (Redis restarting) must not stall the refresh below.
-                    channel = channel or await asyncio.wait_for(layer.new_channel(), LAYER_TIMEOUT_S)
-                    await asyncio.wait_for(layer.group_add(ROUTING_GROUP, channel), LAYER_TIMEOUT_S)
-                    joined_at = time.monotonic()
-                if channel is not None:
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(layer.receive(channel), REFRESH_S)
-                else:
-                    await asyncio.sleep(REFRESH_S)
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # a channel layer that is down (Redis restarting): poll, and join again later
-                log.debug("routing push unavailable; refreshing on the timer", exc_info=True)
-                joined_at = 0.0
-                await asyncio.sleep(REFRESH_S)
+            await listener.receive(REFRESH_S)  # a push, or REFRESH_S without one (or without a layer)
             with contextlib.suppress(DatabaseUnavailable):
                 await self.refresh()
 

@@ -261,6 +261,30 @@ def test_refresh_index_follows_the_store(hub_dirs, tmp_path):
     assert rows == {"gguf/a": True, "gguf/b": False}
 
 
+def test_a_refresh_never_undoes_what_a_writer_indexed_while_it_listed(hub_dirs, tmp_path):
+    """An upload that ends while the refresh lists the store: its row stays (CI lost it once)."""
+    store = FilesystemModelStore(hub_dirs / "store")
+    store.upload_model("gguf/old", make_model_dir(tmp_path / "old", {"o.gguf": b"o"}))
+    services.index_prefix("gguf/old", store=store)
+    real_scan = store.scan_models
+
+    def scan_while_a_writer_ends():
+        listing = real_scan()  # the listing is taken before the upload lands...
+        store.upload_model("gguf/landed", make_model_dir(tmp_path / "landed", {"l.gguf": b"l"}))
+        services.index_prefix("gguf/landed", store=store)  # ...which indexes itself as the writer does
+        store.upload_model("gguf/old", make_model_dir(tmp_path / "old2", {"o.gguf": b"new"}), replace=True)
+        services.index_prefix("gguf/old", store=store)
+        return listing
+
+    store.scan_models = scan_while_a_writer_ends
+    services.refresh_index(store=store)
+    assert ModelArtifact.objects.get(prefix="gguf/landed").complete
+    assert ModelArtifact.objects.get(prefix="gguf/old").size_bytes == 3
+    del store.scan_models
+    assert services.refresh_index(store=store) == 2
+    assert set(ModelArtifact.objects.values_list("prefix", flat=True)) == {"gguf/old", "gguf/landed"}
+
+
 def test_the_index_of_a_thousand_models_refreshes_and_pages(hub_dirs, s3, viewer):
     from tests.hub.conftest import minio_store_for
 

@@ -326,7 +326,6 @@ print(json.dumps(ids))
         assert set(busy) == set(spent)
         for k, seconds in busy.items():  # busy time is the backend's part of what the client waited
             assert 0 < seconds <= spent[k], (k, seconds, spent[k])
-        assert sum(busy.values()) >= 0.3 * sum(spent.values()), (busy, spent)  # (a shared machine: loosely)
         insts = {i: httpx.get(f"{limited.url}/api/management/instances/{i}", headers=limited.auth).json()
                  for i in ids}
         out = httpx.get(f"{limited.url}/api/usage/chargeback", headers=limited.auth,

@@ -1,0 +1,57 @@
+"""One member of a channel-layer group, for a process's background loop: joins (and renews the
+membership before channels-redis forgets it), waits a bounded time for the next message, and
+survives a channel layer that is down (Redis restarting) by trying again later."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+log = logging.getLogger("xgen.live.groups")
+
+LAYER_TIMEOUT_S = 5.0  # a layer call that hangs (Redis restarting) must not stall its caller's loop
+GROUP_RENEW_S = 300.0  # channels-redis forgets a group member after its group_expiry
+
+
+class GroupListener:
+    def __init__(self, group: str) -> None:
+        self.group = group
+        self._layer = None
+        self._looked_up = False
+        self._channel: str | None = None
+        self._joined_at = 0.0
+
+    async def receive(self, timeout: float) -> dict | None:
+        """The next message sent to the group, or None after `timeout` seconds without one (also
+        when there is no channel layer, or it is down: then the membership is made again next time)."""
+        if not self._looked_up:
+            from channels.layers import get_channel_layer
+
+            self._layer, self._looked_up = get_channel_layer(), True
+        layer = self._layer
+        if layer is None:
+            await asyncio.sleep(timeout)
+            return None
+        try:
+            # asyncio.timeout, not wait_for: on Python 3.11 a wait_for whose timeout fires as its task
+            # is cancelled drops the cancellation, and the loop's shutdown waits for this task forever.
+            if self._channel is None or time.monotonic() - self._joined_at > GROUP_RENEW_S:
+                async with asyncio.timeout(LAYER_TIMEOUT_S):
+                    self._channel = self._channel or await layer.new_channel()
+                    await layer.group_add(self.group, self._channel)
+                self._joined_at = time.monotonic()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout):
+                    return await layer.receive(self._channel)
+            return None
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.debug("group %s unavailable; joining again later", self.group, exc_info=True)
+            self._channel, self._joined_at = None, 0.0
+            await asyncio.sleep(timeout)
+            return None
+
+
+__all__ = ["GroupListener", "LAYER_TIMEOUT_S"]
