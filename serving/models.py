@@ -147,14 +147,19 @@ class ModelInstance(models.Model):
 
     # ------------------------------------------------------------ creation
     @classmethod
-    def create_requested(cls, *, message: str, **fields) -> ModelInstance:
-        """A new PENDING instance and its first timeline row, in one transaction; announced after."""
+    def create_requested(cls, *, message: str, announce: bool = True, **fields) -> ModelInstance:
+        """A new PENDING instance and its first timeline row, in one transaction; announced after
+        (by the caller, with announce_created(), when the caller's own transaction commits later)."""
         with transaction.atomic():
             inst = cls.objects.create(state=InstanceState.PENDING, **fields)
-            ev = InstanceEvent.objects.create(instance=inst, from_state="", to_state=InstanceState.PENDING,
-                                              message=message)
-        _announce(inst, ev)
+            inst._created_event = InstanceEvent.objects.create(instance=inst, from_state="",
+                                                               to_state=InstanceState.PENDING, message=message)
+        if announce:
+            inst.announce_created()
         return inst
+
+    def announce_created(self) -> None:
+        _announce(self, getattr(self, "_created_event", None))
 
     # ------------------------------------------------------------ state changes
     def _move(self, to_state: str, message: str, *, event: bool = True, clear_process: bool = False,

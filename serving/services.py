@@ -6,12 +6,15 @@ of the instance's node. State changes themselves are ModelInstance's `mark_*` me
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import re
+import threading
 
 from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
-from django.db import IntegrityError
+from django.db import IntegrityError, connection, transaction
 from django.db.models import Q
 
 from serving import events
@@ -79,40 +82,76 @@ def _name_taken(names: list[str], *, exclude: int | None = None) -> LoadRefused 
     return None
 
 
+_placement_locks: dict[int, threading.Lock] = {}
+_placement_locks_guard = threading.Lock()
+
+
+@contextlib.contextmanager
+def placement_lock(node_id: int):
+    """One placement at a time per node, until the instance that books its GPUs is committed: the
+    rooms are read under it, so two simultaneous loads never both take one GPU's free memory.
+    PostgreSQL: the node's row locked FOR UPDATE (every web process). SQLite serves one process
+    (embedded mode): a lock per node in that process, then the transaction's own write lock."""
+    from hardware.models import Node
+
+    if connection.vendor == "sqlite":
+        with _placement_locks_guard:
+            lock = _placement_locks.setdefault(node_id, threading.Lock())
+        with lock, transaction.atomic():
+            yield
+        return
+    with transaction.atomic():
+        list(Node.objects.select_for_update().filter(pk=node_id).values_list("pk", flat=True))
+        yield
+
+
 def request_load(*, model_path: str, model_name: str | None = None, server_type: str = "llm",
                  backend: str | None = None, node: str | None = None, gpus: list[int] | None = None,
                  tensor_parallel_size: int | None = None, extra_args: dict | None = None,
                  autostart: bool = False, user=None, aliases: list[str] | None = None) -> ModelInstance:
-    """Plan and record a load (desired RUNNING, state PENDING, its LaunchPlan), then nudge the node's agent."""
-    plan = plan_load(model_path=model_path, model_name=model_name, server_type=server_type, backend=backend,
-                     node=node, gpus=gpus, tensor_parallel_size=tensor_parallel_size, extra_args=extra_args)
-    clash = _duplicate(plan.model_name)
-    if clash is not None:
-        raise clash
+    """Plan and record a load (desired RUNNING, state PENDING, its LaunchPlan), then nudge the node's agent.
+
+    The plan is made twice: first to pick the node (every node, no lock), then again on that node
+    under its placement lock, where the GPU rooms read count every load committed before."""
+    args = dict(model_path=model_path, model_name=model_name, server_type=server_type, backend=backend, gpus=gpus,
+                tensor_parallel_size=tensor_parallel_size, extra_args=extra_args)
+    plan = plan_load(node=node, **args)
     aliases = check_aliases(aliases, plan.model_name)
-    clash = _name_taken([plan.model_name, *aliases])
-    if clash is not None:
-        raise clash
-    launch = plan.launch
     try:
-        inst = ModelInstance.create_requested(
-            message=f"load requested: {launch.reason}; {launch.fit}",
-            model_name=plan.model_name, aliases=aliases, model_path=plan.source.model_path,
-            artifact=plan.source.artifact,
-            type=launch.server_type, backend=launch.backend, backend_reason=f"{launch.reason} ({plan.placement})",
-            node=plan.node, gpus=plan.gpus, tensor_parallel_size=launch.tensor_parallel_size,
-            extra_args=plan.extra_args, plan=launch.to_json(), autostart=autostart,
-            desired_state=DesiredState.RUNNING, state_message="waiting for the node agent",
-            estimated_memory_mib=plan.estimate.total_mib, created_by=user if getattr(user, "pk", None) else None,
-        )
+        with placement_lock(plan.node.pk):
+            if plan.gpus:  # GPU memory is booked: read the rooms again, under the lock
+                plan = dataclasses.replace(plan_load(node=plan.node.name, **args), placement=plan.placement)
+            inst = _record_load(plan, aliases=aliases, autostart=autostart, user=user)
     except IntegrityError:
-        # A load for the same name won the race between the check above and this insert.
+        # A load for the same name won the race between the name check and this insert.
         clash = _duplicate(plan.model_name)
         if clash is None:
             raise
         raise clash from None
+    inst.announce_created()
     nudge_node(plan.node.name)
     return inst
+
+
+def _record_load(plan, *, aliases: list[str], autostart: bool, user) -> ModelInstance:
+    clash = _duplicate(plan.model_name)
+    if clash is not None:
+        raise clash
+    clash = _name_taken([plan.model_name, *aliases])
+    if clash is not None:
+        raise clash
+    launch = plan.launch
+    return ModelInstance.create_requested(
+        message=f"load requested: {launch.reason}; {launch.fit}",
+        model_name=plan.model_name, aliases=aliases, model_path=plan.source.model_path,
+        artifact=plan.source.artifact,
+        type=launch.server_type, backend=launch.backend, backend_reason=f"{launch.reason} ({plan.placement})",
+        node=plan.node, gpus=plan.gpus, tensor_parallel_size=launch.tensor_parallel_size,
+        extra_args=plan.extra_args, plan=launch.to_json(), autostart=autostart,
+        desired_state=DesiredState.RUNNING, state_message="waiting for the node agent",
+        estimated_memory_mib=plan.estimate.total_mib, created_by=user if getattr(user, "pk", None) else None,
+        announce=False,
+    )
 
 
 def find_instance(*, id: int | None = None, model_name: str | None = None) -> ModelInstance:
