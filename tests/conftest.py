@@ -283,3 +283,25 @@ def pytest_collection_modifyitems(config, items):
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = keep
+
+
+EXIT_WATCHDOG_S = 120
+
+
+def pytest_unconfigure(config):
+    """A test run must end: a thread that keeps the interpreter from exiting (CI once waited hours
+    on an event loop that could not finish cancelling its tasks, joined at exit) is reported with
+    every thread's stack and the run fails, EXIT_WATCHDOG_S after pytest has finished."""
+    import faulthandler
+    import sys
+    import threading
+
+    def watchdog():
+        import time
+
+        time.sleep(EXIT_WATCHDOG_S)
+        print(f"\n*** the test process did not exit {EXIT_WATCHDOG_S} s after the run; threads:", file=sys.stderr)
+        faulthandler.dump_traceback(all_threads=True)
+        os._exit(3)
+
+    threading.Thread(target=watchdog, name="exit-watchdog", daemon=True).start()
