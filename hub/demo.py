@@ -128,6 +128,86 @@ def write_tiny_llama_gguf(path: Path | str, *, seed: int = 0, name: str = "xgen-
     return path
 
 
+# llama.cpp's Qwen3 reranker layout (its converter, conversion/qwen.py): rank pooling, the
+# classifier labels, a `rerank` chat template, and `cls.output.weight` as the classification head
+# (there the lm_head rows of "yes" and "no"; random here); llama-server scores the first label.
+RERANK_TEMPLATE = (
+    "<|im_start|>system\nJudge whether the Document meets the requirements based on the Query. "
+    "Answer only \"yes\" or \"no\".<|im_end|>\n<|im_start|>user\n<Query>: {query}\n"
+    "<Document>: {document}<|im_end|>\n<|im_start|>assistant\n"
+)
+
+
+def write_tiny_reranker_gguf(path: Path | str, *, seed: int = 0, name: str = "xgen-tiny-reranker") -> Path:
+    """Write a tiny Qwen3-architecture reranker (random weights, the tiny model's vocabulary and
+    sizes, a two-label classification head) to `path` (atomically) and return it. llama-server
+    started with `--reranking` serves it on /v1/rerank."""
+    import gguf
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".part")
+    rng = np.random.default_rng(seed)
+    tokens, scores, types = _vocab()
+    n_vocab = len(tokens)
+    head_dim = N_EMBD // N_HEAD
+
+    def w(*shape: int) -> np.ndarray:
+        return (rng.standard_normal(shape) * 0.05).astype(np.float32)
+
+    writer = gguf.GGUFWriter(str(tmp), "qwen3")
+    writer.add_name(name)
+    writer.add_context_length(N_CTX)
+    writer.add_embedding_length(N_EMBD)
+    writer.add_block_count(N_LAYER)
+    writer.add_feed_forward_length(N_FF)
+    writer.add_head_count(N_HEAD)
+    writer.add_head_count_kv(N_HEAD)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_pooling_type(gguf.PoolingType.RANK)
+    writer.add_classifier_output_labels(["yes", "no"])
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(tokens.index("<|im_end|>"))
+    writer.add_unk_token_id(0)
+    writer.add_add_bos_token(False)
+    writer.add_add_eos_token(False)
+    writer.add_chat_template([{"name": "default", "template": CHATML_TEMPLATE},
+                              {"name": "rerank", "template": RERANK_TEMPLATE}])
+
+    embd = w(n_vocab, N_EMBD)
+    writer.add_tensor("token_embd.weight", embd)
+    writer.add_tensor("output_norm.weight", np.ones(N_EMBD, dtype=np.float32))
+    writer.add_tensor("output.weight", embd)
+    writer.add_tensor("cls.output.weight", w(2, N_EMBD))
+    for i in range(N_LAYER):
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(N_EMBD, dtype=np.float32))
+        writer.add_tensor(f"blk.{i}.attn_q.weight", w(N_EMBD, N_EMBD))
+        writer.add_tensor(f"blk.{i}.attn_k.weight", w(N_EMBD, N_EMBD))
+        writer.add_tensor(f"blk.{i}.attn_v.weight", w(N_EMBD, N_EMBD))
+        writer.add_tensor(f"blk.{i}.attn_output.weight", w(N_EMBD, N_EMBD))
+        writer.add_tensor(f"blk.{i}.attn_q_norm.weight", np.ones(head_dim, dtype=np.float32))
+        writer.add_tensor(f"blk.{i}.attn_k_norm.weight", np.ones(head_dim, dtype=np.float32))
+        writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(N_EMBD, dtype=np.float32))
+        writer.add_tensor(f"blk.{i}.ffn_gate.weight", w(N_FF, N_EMBD))
+        writer.add_tensor(f"blk.{i}.ffn_up.weight", w(N_FF, N_EMBD))
+        writer.add_tensor(f"blk.{i}.ffn_down.weight", w(N_EMBD, N_FF))
+
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    tmp.replace(path)
+    return path
+
+
 DEMO_PREFIX = "gguf/xgen-tiny-demo"
 
 

@@ -21,6 +21,7 @@ log = logging.getLogger("xgen.serving")
 class InstanceType(models.TextChoices):
     LLM = "llm"
     EMBEDDING = "embedding"
+    RERANK = "rerank"  # llama-server --reranking, vLLM's scoring runner: /v1/rerank, /v1/score
 
 
 class InstanceState(models.TextChoices):

@@ -175,6 +175,10 @@ class LaunchPlan:
         return self.server_type == InstanceType.EMBEDDING
 
     @property
+    def is_rerank(self) -> bool:
+        return self.server_type == InstanceType.RERANK
+
+    @property
     def known_model_file(self) -> str | None:
         """The model path the backend gets, where it is known before the agent resolves it: an
         absolute .gguf file or Hugging Face folder (a store prefix lands in the node's cache)."""
@@ -269,7 +273,7 @@ def make_launch_plan(*, node: Node, source: ModelSource, model_name: str, server
     node_type = node_gpu_type(list(GpuDevice.objects.filter(node=node).values_list("type", flat=True)))
     try:
         choice = choose_backend(fmt=source.fmt, gpu_type=node_type, backends=node.backends,
-                                requested=backend, node_name=node.name)
+                                requested=backend, node_name=node.name, server_type=server_type)
     except BackendUnavailable as exc:
         raise LoadRefused(400, str(exc), code="backend_unavailable") from None
     adapter = get_adapter(choice.backend)
@@ -338,8 +342,8 @@ def plan_load(*, model_path: str, model_name: str | None = None, server_type: st
 
     Without `node`, every online node is planned and the best kept (placement.choose_node).
     """
-    if server_type not in (InstanceType.LLM, InstanceType.EMBEDDING):
-        raise LoadRefused(400, f"server_type must be llm or embedding, not {str(server_type)[:40]!r}")
+    if server_type not in InstanceType.values:
+        raise LoadRefused(400, f"server_type must be llm, embedding or rerank, not {str(server_type)[:40]!r}")
     kwargs = dict(model_path=model_path, model_name=model_name, server_type=server_type, backend=backend,
                   gpus=gpus, tensor_parallel_size=tensor_parallel_size, extra_args=extra_args)
     if node:

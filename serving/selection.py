@@ -82,9 +82,15 @@ def _impossible(fmt: str, gpu_type: str) -> str | None:
     return None
 
 
+def _serving(server_type: str) -> str:
+    """The backends that serve this kind of model, for a refusal's message."""
+    return " or ".join(name for name, adapter in ADAPTERS.items() if server_type in adapter.server_types)
+
+
 def choose_backend(*, fmt: str, gpu_type: str, backends: list[dict], requested: str | None = None,
-                   node_name: str = "this node") -> BackendChoice:
-    """The backend for a model of format `fmt` on a node with `gpu_type` and `backends`.
+                   node_name: str = "this node", server_type: str = "llm") -> BackendChoice:
+    """The backend for a model of format `fmt` (and kind `server_type`) on a node with `gpu_type`
+    and `backends`.
 
     `requested` (a backend name, or None/"auto") is validated instead of chosen.
     Raises BackendUnavailable with the reason and what would work.
@@ -101,6 +107,8 @@ def choose_backend(*, fmt: str, gpu_type: str, backends: list[dict], requested: 
         if fmt not in adapter.formats:
             other = "vllm" if fmt == HUGGINGFACE else "llama-server or llama-cpp-python"
             raise BackendUnavailable(f"{requested} cannot serve a {fmt} model; {other} can")
+        if server_type not in adapter.server_types:
+            raise BackendUnavailable(f"{requested} cannot serve a {server_type} model; {_serving(server_type)} can")
         if requested == "vllm" and gpu_type in ("AMD_RDNA", CPU):
             raise BackendUnavailable(impossible or f"vLLM cannot run on {gpu_label} GPUs")
         flavours = [fl for (name, fl) in have if name == requested]
@@ -125,6 +133,10 @@ def choose_backend(*, fmt: str, gpu_type: str, backends: list[dict], requested: 
     prefs = PREFERENCES.get((fmt, gpu_type))
     if prefs is None:
         raise BackendUnavailable(f"unknown GPU type {gpu_type!r}")
+    prefs = [(name, flavour) for name, flavour in prefs if server_type in ADAPTERS[name].server_types]
+    if not prefs:
+        raise BackendUnavailable(f"no backend serves a {server_type} model in {fmt} format on {gpu_label} "
+                                 f"({_serving(server_type)} serve {server_type} models)")
     first = prefs[0]
     for name, flavour in prefs:
         b = have.get((name, flavour))
@@ -140,7 +152,8 @@ def choose_backend(*, fmt: str, gpu_type: str, backends: list[dict], requested: 
                 reason += "; runs on the CPU, without the GPU"
         return BackendChoice(name, flavour, b.get("version") or "", b.get("path") or "", reason)
     wanted = " or ".join(f"{n} ({f})" for n, f in prefs[:2])
+    kind = f"{server_type} " if server_type != "llm" else ""
     raise BackendUnavailable(
-        f"no backend on {node_name} can serve a {fmt} model on {gpu_label}: install {wanted} "
+        f"no backend on {node_name} can serve a {kind}{fmt} model on {gpu_label}: install {wanted} "
         f"(available there: {_have_text(backends)})"
     )

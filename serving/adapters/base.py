@@ -52,6 +52,9 @@ class Served(Protocol):
     @property
     def is_embedding(self) -> bool: ...
 
+    @property
+    def is_rerank(self) -> bool: ...
+
 
 class InvalidExtraArgs(ValueError):
     """An extra argument the backend does not know, or a value that is not acceptable."""
@@ -63,7 +66,7 @@ class LaunchSpec:
 
     model_file: Path  # a .gguf file, or a directory with config.json
     model_name: str
-    server_type: str  # "llm" | "embedding"
+    server_type: str  # "llm" | "embedding" | "rerank"
     host: str
     port: int | str  # a number, or the plan's placeholder the agent fills in
     gpus: tuple[int, ...] = ()
@@ -79,6 +82,10 @@ class LaunchSpec:
     @property
     def is_embedding(self) -> bool:
         return self.server_type == "embedding"
+
+    @property
+    def is_rerank(self) -> bool:
+        return self.server_type == "rerank"
 
 
 def parse_version(version: str) -> tuple[int, ...]:
@@ -123,6 +130,8 @@ class BackendAdapter:
     ready_hints: ClassVar[tuple[str, ...]] = ("Uvicorn running on",)
     # Which of OPTIONAL_ROUTES the server answers itself (the proxy translates or refuses the others).
     native_routes: ClassVar[frozenset[str]] = frozenset()
+    # The kinds of model (server_type) it can serve; selection skips it for the others.
+    server_types: ClassVar[frozenset[str]] = frozenset({"llm", "embedding"})
 
     def serves(self, path: str, version: str = "") -> bool:
         """Whether the backend answers `path` itself (False only for an OPTIONAL_ROUTES path it lacks)."""
@@ -240,6 +249,8 @@ class BackendAdapter:
         """One small request that proves the model answers: (path, JSON body)."""
         if spec.is_embedding:
             return "/v1/embeddings", {"model": spec.model_name, "input": "warm-up"}
+        if spec.is_rerank:
+            return "/v1/rerank", {"model": spec.model_name, "query": "warm-up", "documents": ["warm-up"]}
         return "/v1/chat/completions", {
             "model": spec.model_name,
             "messages": [{"role": "user", "content": "hi"}],

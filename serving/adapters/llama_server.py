@@ -54,6 +54,7 @@ class LlamaServer(BackendAdapter):
     ready_hints = ("listening on http", "server is listening", "HTTP server listening")
     # The OpenAI Responses API and Anthropic's Messages API (with count_tokens) are llama-server's own.
     native_routes = frozenset({"/v1/responses", "/v1/messages", "/v1/messages/count_tokens"})
+    server_types = frozenset({"llm", "embedding", "rerank"})
 
     def load_timeout_s(self) -> int:
         return settings.LOAD_TIMEOUT_LLAMA_S
@@ -76,6 +77,8 @@ class LlamaServer(BackendAdapter):
         ]
         if spec.is_embedding:
             cmd += ["--embeddings", "--pooling", "mean"]
+        elif spec.is_rerank:
+            cmd += ["--reranking"]  # embeddings with rank pooling: /v1/rerank through the model's head
         extra = self.extra_argv(spec)
         if spec.gpus and "--n-gpu-layers" not in extra:
             cmd += ["-ngl", "999"]  # every layer on the held GPUs

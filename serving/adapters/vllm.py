@@ -17,7 +17,8 @@ from serving.adapters.base import (
     parse_version,
 )
 
-# vLLM's docs: through 0.10.0 embeddings use `--task embed`; from 0.10.1 `--runner pooling --convert embed`.
+# vLLM's docs: through 0.10.0 embeddings use `--task embed` (rerankers `--task score`); from 0.10.1
+# `--runner pooling --convert embed` (a cross-encoder: `--runner pooling`, its classification head is found).
 POOLING_RUNNER_SINCE = (0, 10, 1)
 RESPONSES_SINCE = (0, 10, 0)
 MESSAGES_SINCE = (0, 12, 0)
@@ -57,6 +58,7 @@ class VllmServer(BackendAdapter):
     health_path = "/health"
     ready_hints = ("Uvicorn running on", "Application startup complete")
     native_routes = frozenset({"/v1/responses", "/v1/messages", "/v1/messages/count_tokens"})
+    server_types = frozenset({"llm", "embedding", "rerank"})
 
     def serves(self, path: str, version: str = "") -> bool:
         """/v1/responses since 0.10; Anthropic's /v1/messages in the OpenAI server only in recent
@@ -101,12 +103,16 @@ class VllmServer(BackendAdapter):
                 cmd += ["--runner", "pooling", "--convert", "embed"]
             else:
                 cmd += ["--task", "embed"]
+        elif spec.is_rerank:
+            cmd += ["--runner", "pooling"] if uses_pooling_runner(spec.version) else ["--task", "score"]
         if len(spec.gpus) > 1 or spec.tensor_parallel_size > 1:
             cmd += ["--tensor-parallel-size", str(max(spec.tensor_parallel_size, len(spec.gpus)))]
         extra = self.extra_argv(spec)
         if spec.is_embedding:
             # The adapter already chose the runner; a second one would contradict it.
             extra = _drop_flags(extra, {"--runner", "--convert", "--task"})
+        elif spec.is_rerank:  # `--convert classify` stays: a causal LM made a cross-encoder (Qwen3-Reranker)
+            extra = _drop_flags(extra, {"--runner", "--task"})
         return cmd + extra
 
 

@@ -52,6 +52,11 @@ PATH_KINDS = {
     "/v1/messages": "llm",
     "/v1/messages/count_tokens": "llm",
     "/v1/embeddings": "embedding",
+    "/v1/rerank": "rerank",
+    "/v1/reranking": "rerank",  # llama-server's alias of /v1/rerank
+    "/v1/score": "rerank",
+    "/rerank": "rerank",
+    "/score": "rerank",
     "/infill": "llm",
     "/apply-template": "llm",
 }
@@ -387,7 +392,8 @@ async def resolve_alias(payload: dict, body: bytes, *, multipart: bool = False) 
 
 def check_model_type(candidates: list[Backend], route: Route, payload: dict) -> None:
     """Type rules: chat, completions, responses and messages only to LLMs, embeddings only to
-    embedding models; ProxyError 400 `model_type_mismatch` for a named model of another type."""
+    embedding models, rerank and score only to rerank models; ProxyError 400 `model_type_mismatch`
+    for a named model of another type."""
     if route.kind is None or not candidates or candidates[0].type == route.kind:
         return
     name = payload.get("model") or candidates[0].model_name
