@@ -20,7 +20,14 @@ from accounts.credentials import Principal, authenticate
 from accounts.errors import ErrorAnswer
 from serving.proxy import app as proxy_app
 from serving.proxy import metrics
-from serving.proxy.app import admit_request, candidates_for, parse_body, request_id_from
+from serving.proxy.app import (
+    admit_request,
+    candidates_for,
+    check_model_type,
+    parse_body,
+    request_id_from,
+    resolve_route,
+)
 from serving.proxy.errors import ProxyError
 from serving.proxy.upstream import open_upstream
 from serving.usage import RequestContext, recorder
@@ -33,7 +40,7 @@ class ModelEntry(Schema):
     object: str = "model"
     created: int
     owned_by: str
-    type: str = Field(description="llm or embedding")
+    type: str = Field(description="llm, embedding or rerank")
     backend: str
     node: str = Field(description="node of the first replica")
     aliases: list[str] = Field(default_factory=list, description="more names that route to this model")
@@ -79,6 +86,21 @@ class ResponsesRequest(_OpenAIBody):
     model: str
     input: str | list
     stream: bool = False
+
+
+class RerankRequest(Schema):
+    model_config = ConfigDict(extra="allow")
+    model: str | None = Field(None, description="a served rerank model_name (or any rerank model)")
+    query: str
+    documents: list[str] = Field(description="the texts to score against the query (TEI's `texts` also works)")
+    top_n: int | None = None
+
+
+class ScoreRequest(Schema):
+    model_config = ConfigDict(extra="allow")
+    model: str | None = Field(None, description="a served rerank model_name (or any rerank model)")
+    text_1: str | list[str]
+    text_2: str | list[str]
 
 
 class AnthropicMessage(Schema):
@@ -170,6 +192,7 @@ async def _forward(request: HttpRequest, kind: str) -> HttpResponse:
         ctx.principal = await _principal(request)
         body = await admit_request(ctx, payload, body, operation=operation)
         candidates = await candidates_for(payload, kind=kind, principal=ctx.principal)
+        check_model_type(candidates, resolve_route(request.path), payload)
         reply = await open_upstream(
             path=request.path, query=request.META.get("QUERY_STRING", "").encode("latin-1"), body=body,
             candidates=candidates, headers=raw_headers, request_id=request_id, ctx=ctx,
@@ -275,6 +298,20 @@ async def embedding_embeddings(request: HttpRequest, payload: EmbeddingRequest):
 async def responses(request: HttpRequest, payload: ResponsesRequest):
     """Forwarded to an LLM backend that serves /v1/responses (llama-server, vLLM); elsewhere
     404 `unsupported_by_backend` naming the backend."""
+    return await _via_proxy(request)
+
+
+@router.post("/v1/rerank", summary="Rerank documents against a query (rerank models only)")
+async def rerank(request: HttpRequest, payload: RerankRequest):
+    """Forwarded to a rerank model (`server_type: "rerank"`); the backend's own answer comes back
+    (llama-server and vLLM: `{"model", "results": [{"index", "relevance_score"}], "usage"}`).
+    Another kind of model: 400 `model_type_mismatch`."""
+    return await _via_proxy(request)
+
+
+@router.post("/v1/score", summary="Score text pairs (rerank models only; vLLM)")
+async def score(request: HttpRequest, payload: ScoreRequest):
+    """vLLM's score API on a rerank model; a backend without it answers its own 404."""
     return await _via_proxy(request)
 
 

@@ -82,9 +82,10 @@ def _impossible(fmt: str, gpu_type: str) -> str | None:
     return None
 
 
-def _serving(server_type: str) -> str:
-    """The backends that serve this kind of model, for a refusal's message."""
-    return " or ".join(name for name, adapter in ADAPTERS.items() if server_type in adapter.server_types)
+def _serving(server_type: str, fmt: str) -> str:
+    """The backends that serve this kind of model in this format, for a refusal's message."""
+    return " or ".join(name for name, adapter in ADAPTERS.items()
+                       if server_type in adapter.server_types and fmt in adapter.formats) or "none"
 
 
 def choose_backend(*, fmt: str, gpu_type: str, backends: list[dict], requested: str | None = None,
@@ -108,7 +109,7 @@ def choose_backend(*, fmt: str, gpu_type: str, backends: list[dict], requested: 
             other = "vllm" if fmt == HUGGINGFACE else "llama-server or llama-cpp-python"
             raise BackendUnavailable(f"{requested} cannot serve a {fmt} model; {other} can")
         if server_type not in adapter.server_types:
-            raise BackendUnavailable(f"{requested} cannot serve a {server_type} model; {_serving(server_type)} can")
+            raise BackendUnavailable(f"{requested} cannot serve a {server_type} model; {_serving(server_type, fmt)} can")
         if requested == "vllm" and gpu_type in ("AMD_RDNA", CPU):
             raise BackendUnavailable(impossible or f"vLLM cannot run on {gpu_label} GPUs")
         flavours = [fl for (name, fl) in have if name == requested]
@@ -136,7 +137,7 @@ def choose_backend(*, fmt: str, gpu_type: str, backends: list[dict], requested: 
     prefs = [(name, flavour) for name, flavour in prefs if server_type in ADAPTERS[name].server_types]
     if not prefs:
         raise BackendUnavailable(f"no backend serves a {server_type} model in {fmt} format on {gpu_label} "
-                                 f"({_serving(server_type)} serve {server_type} models)")
+                                 f"(only {_serving(server_type, fmt)} can)")
     first = prefs[0]
     for name, flavour in prefs:
         b = have.get((name, flavour))

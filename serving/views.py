@@ -215,7 +215,8 @@ def _instance_action(request: HttpRequest, pk: int, action: str) -> HttpResponse
 
 @require_POST
 def playground(request: HttpRequest, pk: int) -> HttpResponse:
-    """Send one chat message (LLM) or one text to embed to the instance's backend, server-side."""
+    """Send one chat message (LLM), one text to embed, or a query and its documents (a reranker:
+    the first line and the lines after it) to the instance's backend, server-side."""
     inst = get_object_or_404(ModelInstance.objects.select_related("node"), pk=pk)
     text = (request.POST.get("prompt") or "").strip()
     ctx: dict = {"inst": inst, "prompt": text}
@@ -223,9 +224,20 @@ def playground(request: HttpRequest, pk: int) -> HttpResponse:
         ctx["error"] = "Type a message (at most 8000 characters)."
     elif inst.state != InstanceState.READY:
         ctx["error"] = f"{inst.model_name} is {inst.state}, not READY."
+    elif inst.type == "rerank" and len([line for line in text.splitlines() if line.strip()]) < 2:
+        ctx["error"] = "Give the query on the first line and at least one document on the lines after it."
     else:
         try:
-            if inst.type == "embedding":
+            if inst.type == "rerank":
+                query, *docs = [line.strip() for line in text.splitlines() if line.strip()]
+                r = httpx.post(f"{inst.upstream_base}/v1/rerank",
+                               json={"model": inst.model_name, "query": query, "documents": docs},
+                               timeout=PLAYGROUND_TIMEOUT_S, trust_env=False)
+                r.raise_for_status()
+                ctx["prompt"] = query
+                ctx["ranking"] = [{"score": row["relevance_score"], "document": docs[row["index"]]}
+                                  for row in r.json()["results"]]
+            elif inst.type == "embedding":
                 r = httpx.post(f"{inst.upstream_base}/v1/embeddings", json={"model": inst.model_name, "input": text},
                                timeout=PLAYGROUND_TIMEOUT_S, trust_env=False)
                 r.raise_for_status()
@@ -239,6 +251,6 @@ def playground(request: HttpRequest, pk: int) -> HttpResponse:
                 data = r.json()
                 ctx["reply"] = data["choices"][0]["message"]["content"]
                 ctx["usage"] = data.get("usage") or {}
-        except (httpx.HTTPError, KeyError, IndexError, ValueError, json.JSONDecodeError) as exc:
+        except (httpx.HTTPError, KeyError, IndexError, TypeError, ValueError, json.JSONDecodeError) as exc:
             ctx["error"] = f"The backend did not answer: {exc.__class__.__name__}: {str(exc)[:200]}"
     return render(request, "serving/partials/_playground_reply.html", ctx)
