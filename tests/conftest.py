@@ -76,6 +76,14 @@ def tiny_gguf(tmp_path_factory) -> Path:
     return write_tiny_llama_gguf(tmp_path_factory.mktemp("models") / "tiny-llama.gguf", seed=0)
 
 
+@pytest.fixture(scope="session")
+def tiny_reranker(tmp_path_factory) -> Path:
+    """A tiny Qwen3-layout reranker GGUF (random weights, rank pooling, a classification head); ~600 KB."""
+    from hub.demo import write_tiny_reranker_gguf
+
+    return write_tiny_reranker_gguf(tmp_path_factory.mktemp("rerank-models") / "tiny-reranker.gguf", seed=0)
+
+
 # ---------------------------------------------------------------- llama.cpp servers
 # The two engines for GGUF models; tests that exercise an engine end to end run on both.
 ENGINES = ("llama-cpp-python", "llama-server")
@@ -94,12 +102,16 @@ def llama_server_binary() -> str:
 
 
 def engine_command(engine: str, *, model: Path, port: int, alias: str, embedding: bool = False,
-                   n_ctx: int = 512) -> tuple[list[str], str]:
-    """argv that starts `engine` by hand on `model`, and the path that answers 200 once it is up."""
+                   n_ctx: int = 512, rerank: bool = False) -> tuple[list[str], str]:
+    """argv that starts `engine` by hand on `model`, and the path that answers 200 once it is up
+    (`rerank`: llama-server only, on a reranker GGUF)."""
     if engine == "llama-server":
         cmd = [llama_server_binary(), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
                "--alias", alias, "--ctx-size", str(n_ctx), "--parallel", "1"]
+        if rerank:
+            return cmd + ["--reranking"], "/health"
         return cmd + (["--embeddings", "--pooling", "mean"] if embedding else []), "/health"
+    assert not rerank, "llama-cpp-python's server has no rerank route"
     cmd = [PYTHON, "-m", "llama_cpp.server", "--model", str(model), "--host", "127.0.0.1",
            "--port", str(port), "--model_alias", alias, "--n_ctx", str(n_ctx), "--verbose", "false"]
     return cmd + (["--embedding", "true"] if embedding else []), "/v1/models"

@@ -397,8 +397,8 @@ def check_model_type(candidates: list[Backend], route: Route, payload: dict) -> 
     if route.kind is None or not candidates or candidates[0].type == route.kind:
         return
     name = payload.get("model") or candidates[0].model_name
-    raise ProxyError(400, f"The model '{name}' is a {candidates[0].type} model; {route.upstream_path} needs "
-                          f"a{'n' if route.kind[0] in 'aeiou' else ''} {route.kind} model.",
+    has, needs = (f"a{'n' if kind[0] in 'aeiou' else ''} {kind}" for kind in (candidates[0].type, route.kind))
+    raise ProxyError(400, f"The model '{name}' is {has} model; {route.upstream_path} needs {needs} model.",
                      code="model_type_mismatch")
 
 

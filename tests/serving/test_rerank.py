@@ -29,13 +29,6 @@ def spec(**kw) -> LaunchSpec:
     return LaunchSpec(**base)
 
 
-@pytest.fixture(scope="session")
-def tiny_reranker(tmp_path_factory) -> Path:
-    from hub.demo import write_tiny_reranker_gguf
-
-    return write_tiny_reranker_gguf(tmp_path_factory.mktemp("rerank-models") / "tiny-reranker.gguf", seed=0)
-
-
 # ---------------------------------------------------------------- command lines
 # vLLM's docs: `--task score` through 0.10.0; from 0.10.1 the pooling runner (the model's
 # classification head makes it a scorer; `--convert classify` for a causal LM turned reranker).
