@@ -9,7 +9,8 @@ from ninja import Field, Schema
 class LoadIn(Schema):
     model_path: str = Field(..., max_length=1024)
     model_name: str | None = Field(None, max_length=128)
-    server_type: str = "llm"
+    server_type: str = Field("llm", description="llm, embedding or rerank (llama-server "
+                             "--reranking, vLLM's scoring runner: /v1/rerank and /v1/score only)")
     backend: str | None = "auto"
     node: str | None = Field(None, max_length=100)
     gpus: list[int] | None = Field(None, max_length=64)

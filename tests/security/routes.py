@@ -31,6 +31,10 @@ PROXY_ROUTES = [
     ("POST", "/v1/audio/transcriptions", "viewer"),
     ("POST", "/v1/images/generations", "viewer"),
     ("POST", "/v1/rerank", "viewer"),
+    ("POST", "/v1/reranking", "viewer"),
+    ("POST", "/v1/score", "viewer"),
+    ("POST", "/api/inference/v1/rerank", "viewer"),
+    ("POST", "/api/inference/v1/score", "viewer"),
     *[("POST", f"/api/inference/{route}", "viewer") for route in (
         "tokenize", "detokenize", "apply-template", "infill", "rerank", "score", "pooling", "classify")],
     ("POST", "/api/inference/v1/messages", "viewer"),

@@ -40,6 +40,8 @@ def test_the_matrix_sees_every_route():
             ("GET", f"/api/storage/uploads/{MISSING_ID}", "viewer"),
             ("POST", f"/api/storage/uploads/{MISSING_ID}/cancel", "operator")} <= set(ops)
     assert "/models/uploads/1/cancel/" in pages
+    # Rerank and score (issue 15): inference, open to every role.
+    assert {("POST", "/api/inference/v1/rerank", "viewer"), ("POST", "/api/inference/v1/score", "viewer")} <= set(ops)
     # Node caches: the hub's router at the node's URL; viewers look, operators evict and verify.
     assert {("GET", f"/api/hardware/nodes/{MISSING_ID}/cache", "viewer"),
             ("POST", f"/api/hardware/nodes/{MISSING_ID}/cache/evict", "operator"),

@@ -39,7 +39,8 @@ def test_the_served_schema_is_the_one_fuzzed(console, admin_key):
 
 def test_the_new_inference_operations_are_fuzzed():
     assert {"POST /api/inference/v1/responses", "POST /api/inference/v1/messages",
-            "POST /api/inference/v1/messages/count_tokens", "POST /api/inference/{route}"} <= set(OPERATIONS)
+            "POST /api/inference/v1/messages/count_tokens", "POST /api/inference/{route}",
+            "POST /api/inference/v1/rerank", "POST /api/inference/v1/score"} <= set(OPERATIONS)
 
 
 def test_the_upload_job_operations_are_fuzzed():
