@@ -11,6 +11,11 @@ requests per second, time to first chunk, and throughput at 64 concurrent stream
 the direct baseline measured in the same run. Targets: added p50 <= 3 ms, TTFC <= +5 ms,
 throughput loss <= 10 % at 64 streams.
 
+The passthrough routes (issue 15: any POST /v1/<path> naming a model, the engines' routes as
+/api/inference/<route>) are measured beside chat in the same rounds: /v1/rerank (to a rerank row)
+and /api/inference/tokenize, each as added p50 over direct, as a ratio to the minimal proxy's, and
+as a difference from the console's own chat figure (target: +0.2 ms at most).
+
 A minimal pooled-aiohttp proxy (30 lines, below) runs beside the console as a second baseline,
 and the idle-gap probe sends one request to each target after idle gaps like a real client's
 (0.02 s, 1.2 s, 35 s): back-to-back benchmarks never see caches that expire between requests.
@@ -44,6 +49,17 @@ CHUNK = b"data: " + json.dumps({
 }).encode() + b"\n\n"
 ROUNDS = 3
 SMALL = {"model": "fast", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+RERANK_ANSWER = json.dumps({
+    "model": "fast-rr", "object": "list", "usage": {"prompt_tokens": 12, "total_tokens": 12},
+    "results": [{"index": 1, "relevance_score": 0.9}, {"index": 0, "relevance_score": 0.1}],
+}).encode()
+TOKENIZE_ANSWER = json.dumps({"tokens": [15339, 1917]}).encode()
+# (label, path on the console and the minimal proxy, path on the backend, body): chat first, the baseline.
+PASSTHROUGH = [
+    ("chat", "/v1/chat/completions", "/v1/chat/completions", SMALL),
+    ("rerank", "/v1/rerank", "/v1/rerank", {"model": "fast-rr", "query": "hi", "documents": ["a", "b"]}),
+    ("tokenize", "/api/inference/tokenize", "/tokenize", {"model": "fast", "content": "hello world"}),
+]
 
 
 # ---------------------------------------------------------------- the fast upstream (own process)
@@ -65,11 +81,21 @@ def run_upstream(port: int) -> None:
         await response.write_eof()
         return response
 
+    async def rerank(request: web.Request) -> web.Response:
+        await request.read()
+        return web.Response(body=RERANK_ANSWER, content_type="application/json")
+
+    async def tokenize(request: web.Request) -> web.Response:
+        await request.read()
+        return web.Response(body=TOKENIZE_ANSWER, content_type="application/json")
+
     async def models(request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": "fast", "object": "model"}]})
 
     app = web.Application()
     app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_post("/v1/rerank", rerank)
+    app.router.add_post("/tokenize", tokenize)
     app.router.add_get("/v1/models", models)
     web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
 
@@ -83,7 +109,8 @@ def run_minimal_proxy(port: int, upstream_port: int) -> None:
     async def forward(request: web.Request) -> web.StreamResponse:
         session = request.app["session"]
         body = await request.read()
-        async with session.post(f"http://127.0.0.1:{upstream_port}{request.path}", data=body,
+        path = request.path.removeprefix("/api/inference")  # the engines' routes, as the console maps them
+        async with session.post(f"http://127.0.0.1:{upstream_port}{path}", data=body,
                                 headers={"Content-Type": "application/json"}) as upstream:
             response = web.StreamResponse(status=upstream.status,
                                           headers={"Content-Type": upstream.headers.get("Content-Type", "")})
@@ -103,6 +130,7 @@ def run_minimal_proxy(port: int, upstream_port: int) -> None:
     app.on_startup.append(start)
     app.on_cleanup.append(close)
     app.router.add_post("/v1/{tail:.*}", forward)
+    app.router.add_post("/api/inference/{tail:.*}", forward)
     web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
 
 
@@ -160,7 +188,9 @@ class ConsoleProcess:
         self.key_kind = "a limited key (rpm, tpm)" if limited else "an unlimited key (no key limits in this version)"
         self.key = self.manage("createapikey", "--username", "bench",
                                *(["--rpm", "10000000", "--tpm", "1000000000"] if limited else [])).split()[-1]
-        rows = json.dumps([{"name": n, "port": p} for n, p in backends.items()])
+        # A name ending in -rr is a rerank model (the console sends /v1/rerank to rerank models only).
+        rows = json.dumps([{"name": n, "port": p, "type": "rerank" if n.endswith("-rr") else "llm"}
+                           for n, p in backends.items()])
         self.manage("shell", "-c", f"""
 import json
 from django.utils import timezone
@@ -169,7 +199,7 @@ from serving.models import ModelInstance
 node, _ = Node.objects.update_or_create(name="bench-node", defaults={{"address": "127.0.0.1", "last_heartbeat": timezone.now()}})
 for row in json.loads({rows!r}):
     ModelInstance.objects.create(model_name=row["name"], model_path="/bench", backend="bench", node=node,
-                                 port=row["port"], state="READY", ready_at=timezone.now())
+                                 port=row["port"], state="READY", ready_at=timezone.now(), type=row["type"])
 """)
         self.log = open(data / "serve.log", "wb")  # noqa: SIM115
         self.proc = subprocess.Popen(
@@ -198,9 +228,10 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def small_requests(session, url: str, headers: dict, n: int, concurrency: int) -> tuple[list[float], float]:
+async def small_requests(session, url: str, headers: dict, n: int, concurrency: int,
+                         payload: dict = SMALL) -> tuple[list[float], float]:
     """Latencies (s) of n small non-streaming requests at `concurrency`, and the wall time."""
-    body = json.dumps(SMALL).encode()
+    body = json.dumps(payload).encode()
     latencies: list[float] = []
     left = n
 
@@ -340,6 +371,44 @@ async def measure(server: str, console: ConsoleProcess, fast_port: int, llama_po
     return lines
 
 
+async def passthrough(server: str, console: ConsoleProcess, fast_port: int, minimal_port: int,
+                      scale: float) -> list[str]:
+    """The passthrough routes beside chat, at concurrency 1, every route and target interleaved in
+    each round: added p50 over direct, the ratio to the minimal proxy's, and the difference from
+    the console's chat figure measured in the same rounds."""
+    import aiohttp
+
+    auth = {"Authorization": f"Bearer {console.key}", "Content-Type": "application/json"}
+    plain = {"Content-Type": "application/json"}
+    # name -> (base URL, headers, whether it is the backend itself: it takes the backend's path)
+    targets = {"direct": (f"http://127.0.0.1:{fast_port}", plain, True),
+               "minimal": (f"http://127.0.0.1:{minimal_port}", plain, False), "console": (console.url, auth, False)}
+    n = max(60, int(600 * scale)) // ROUNDS * ROUNDS
+    lat: dict[tuple[str, str], list[float]] = {}
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        for warm in (True, False):  # a first pass warms every path and pool, then the measured rounds
+            for _ in range(1 if warm else ROUNDS):
+                for label, path, backend_path, body in PASSTHROUGH:
+                    for name, (base, headers, is_backend) in targets.items():
+                        url = base + (backend_path if is_backend else path)
+                        got, _ = await small_requests(session, url, headers, 50 if warm else n // ROUNDS, 1, body)
+                        if not warm:
+                            lat.setdefault((label, name), []).extend(got)
+    lines = []
+    chat_added = pct(lat[("chat", "console")], .5) - pct(lat[("chat", "direct")], .5)
+    for label, path, _, _ in PASSTHROUGH:
+        direct = pct(lat[(label, "direct")], .5)
+        minimal = pct(lat[(label, "minimal")], .5) - direct
+        added = pct(lat[(label, "console")], .5) - direct
+        vs_chat = "" if label == "chat" else f" | vs the console's chat {1000 * (added - chat_added):+.2f} ms"
+        lines.append(
+            f"{server:8} passthrough c=1 n={n} {label:8} {path:24} direct p50 {1000 * direct:5.2f} ms | minimal "
+            f"added {1000 * minimal:+5.2f} ms | console added {1000 * added:+5.2f} ms = "
+            f"{added / minimal if minimal > 0 else float('nan'):.2f}x the minimal proxy's{vs_chat}"
+        )
+    return lines
+
+
 async def idle_gaps(targets: dict[str, tuple[str, dict]], gaps: list[float], samples: int) -> list[str]:
     """One small request to each target after each idle gap; p50/p90 per gap, and each target's
     added latency over direct as a ratio to the minimal proxy's."""
@@ -382,6 +451,8 @@ def main() -> None:
     parser.add_argument("--scale", type=float, default=1.0, help="multiply request counts")
     parser.add_argument("--gaps", default="0.02,1.2,35", help="idle gaps (s) for the probe; empty: skip it")
     parser.add_argument("--gap-samples", type=int, default=6, help="requests per target per gap")
+    parser.add_argument("--only", choices=["all", "passthrough"], default="all",
+                        help="passthrough: only the passthrough routes beside chat (and the idle gaps)")
     parser.add_argument("--upstream", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--minimal-proxy", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -402,7 +473,10 @@ def main() -> None:
             procs.append(upstream)
             os.environ.setdefault("DJANGO_SETTINGS_MODULE", "xgenconsole.settings")
             os.environ["XGEN_DATA_DIR"] = str(work / "gguf")
+            from hardware.backends import export_llama_cpp_lib_path
             from hub.demo import write_tiny_llama_gguf
+
+            export_llama_cpp_lib_path()  # as the console does at start: a llama-cpp-python without its own libllama
 
             model = write_tiny_llama_gguf(work / "tiny.gguf", seed=0)
             llama_port = free_port()
@@ -425,12 +499,17 @@ def main() -> None:
             consoles = []
             try:
                 for server in args.servers.split(","):
-                    console = ConsoleProcess(server, work, {"fast": fast_port, "tiny": llama_port})
+                    console = ConsoleProcess(server, work, {"fast": fast_port, "fast-rr": fast_port,
+                                                            "tiny": llama_port})
                     consoles.append(console)
                     print(f"{server:8} console calls with {console.key_kind}", flush=True)
                     targets[f"console-{server}"] = (f"{console.url}/v1/chat/completions",
                                                     {**plain, "Authorization": f"Bearer {console.key}"})
-                    for line in asyncio.run(measure(server, console, fast_port, llama_port, minimal_port, args.scale)):
+                    if args.only == "all":
+                        for line in asyncio.run(measure(server, console, fast_port, llama_port, minimal_port,
+                                                        args.scale)):
+                            print(line, flush=True)
+                    for line in asyncio.run(passthrough(server, console, fast_port, minimal_port, args.scale)):
                         print(line, flush=True)
                 gaps = [float(g) for g in args.gaps.split(",") if g.strip()]
                 if gaps:
