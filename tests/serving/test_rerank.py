@@ -145,7 +145,7 @@ def test_the_load_dialog_offers_a_reranker(client, node, operator, tiny_reranker
 
 
 # ---------------------------------------------------------------- a real load, end to end
-async def test_a_reranker_loads_on_real_llama_server_and_ranks(agent, tiny_reranker):
+async def test_a_reranker_loads_on_real_llama_server_and_ranks(agent, tiny_reranker, viewer):
     from serving.services import request_load
 
     if not llama_server_row()["available"]:
@@ -164,3 +164,20 @@ async def test_a_reranker_loads_on_real_llama_server_and_ranks(agent, tiny_reran
     assert sorted(row["index"] for row in results) == [0, 1, 2]
     scores = [row["relevance_score"] for row in results]
     assert scores == sorted(scores, reverse=True)
+
+    # The instance page: the playground ranks the documents under the query; the snippet is a rerank.
+    def page_and_playground() -> tuple[str, str, str]:
+        from django.test import Client
+
+        client = Client()
+        client.force_login(viewer.user)
+        page = client.get(f"/instances/{inst.pk}/").content.decode()
+        ranked = client.post(f"/instances/{inst.pk}/playground",
+                             {"prompt": "hello world\nthe GPU\nhello world\nwater"}).content.decode()
+        alone = client.post(f"/instances/{inst.pk}/playground", {"prompt": "only a query"}).content.decode()
+        return page, ranked, alone
+
+    page, ranked, alone = await sync_to_async(page_and_playground)()
+    assert "/rerank" in page and '"documents"' in page.replace("&quot;", '"') and "Rerank" in page
+    assert ranked.count("<li>") == 3 and "the GPU" in ranked and "water" in ranked and "msg-error" not in ranked
+    assert "at least one document" in alone
