@@ -62,6 +62,7 @@ def load(request: HttpRequest, body: LoadIn):
             model_path=body.model_path, model_name=body.model_name, server_type=body.server_type,
             backend=body.backend, node=body.node, gpus=body.gpus, tensor_parallel_size=body.tensor_parallel_size,
             extra_args=body.extra_args, autostart=body.autostart, user=user, aliases=body.aliases,
+            fallback=body.fallback,
         )
     except LoadRefused as exc:
         _audit_refused(request, "load", body.model_name or body.model_path, exc)

@@ -54,6 +54,8 @@ class LoadForm(forms.Form):
                                  required=False, max_length=8000,
                                  label="Extra arguments (one --flag value per line, or key=value)")
     autostart = forms.BooleanField(required=False, label="Start again when the node agent starts")
+    fallback = forms.BooleanField(required=False, label="If a backend named above does not come up, try another "
+                                  "(automatic choices always do)")
 
     def __init__(self, *args, gpu_choices: list[tuple[int, str]] | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)

@@ -12,6 +12,7 @@ gets its plan made once, on the node, from its row (`plan_for_instance`).
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 import shlex
 import sys
@@ -36,7 +37,7 @@ from serving.placement import (
     gib,
     gpu_rooms,
 )
-from serving.selection import CPU, BackendUnavailable, choose_backend, node_gpu_type
+from serving.selection import CPU, BackendUnavailable, choose_backend, fallback_backends, node_gpu_type
 
 MODEL_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
 PREFIX_RE = re.compile(r"^(gguf|huggingface)/[A-Za-z0-9][A-Za-z0-9._-]{0,200}(/[A-Za-z0-9][A-Za-z0-9._-]{0,200})*$")
@@ -169,6 +170,8 @@ class LaunchPlan:
     estimate_detail: str = ""
     reason: str = ""  # why this backend
     fit: str = ""  # where it fits (the verdict line)
+    fallback: bool = False  # may another backend be tried when this one fails to come up
+    fell_back_from: str = ""  # the backend that failed first (a plan falls back once)
 
     @property
     def is_embedding(self) -> bool:
@@ -399,6 +402,45 @@ def stored_plan(inst: ModelInstance) -> LaunchPlan | None:
         return LaunchPlan.from_json(inst.plan)
     except ValueError:
         return None
+
+
+def fallback_plan(inst: ModelInstance, failed: LaunchPlan) -> tuple[LaunchPlan | None, str]:
+    """The plan on the next backend of the node that can serve the instance's model, after
+    `failed` did not come up; (None, why not) when there is none or it may not fall back."""
+    if not failed.fallback or failed.fell_back_from:
+        return None, "" if not failed.fallback else f"{failed.fell_back_from} failed before it"
+    if not settings.BACKEND_FALLBACK:
+        return None, "fallback is off (XGEN_BACKEND_FALLBACK=false)"
+    node = inst.node
+    node_type = node_gpu_type(list(GpuDevice.objects.filter(node=node).values_list("type", flat=True)))
+    others = fallback_backends(fmt=failed.format, gpu_type=node_type, backends=node.backends,
+                               server_type=failed.server_type, failed=failed.backend)
+    if not others:
+        return None, f"no other backend on {node.name} serves it"
+    if inst.model_path.startswith("/"):
+        source = resolve_source(inst.model_path, on_this_node=True)
+    else:
+        artifact = inst.artifact if inst.artifact_id else None
+        source = ModelSource(inst.model_path, "prefix", failed.format, None, artifact,
+                             artifact.size_bytes if artifact else 0)
+    why = []
+    for name in others:
+        try:
+            choice = choose_backend(fmt=failed.format, gpu_type=node_type, backends=node.backends, requested=name,
+                                    node_name=node.name, server_type=failed.server_type)
+            plan, _, _ = make_launch_plan(
+                node=node, source=source, model_name=inst.model_name, server_type=failed.server_type, backend=name,
+                gpus=None, tensor_parallel_size=failed.tensor_parallel_size, extra_args=inst.extra_args,
+                placed_gpus=list(failed.gpus) if choice.uses_gpu else [])  # a CPU build keeps no GPU
+        except BackendUnavailable as exc:
+            why.append(f"{name}: {exc}")
+            continue
+        except LoadRefused as exc:
+            why.append(f"{name}: {exc.message}")
+            continue
+        return dataclasses.replace(plan, fallback=False, fell_back_from=failed.backend,
+                                   reason=f"{failed.backend} did not come up; fallback to {name} ({plan.flavour})"), ""
+    return None, "; ".join(why)
 
 
 def plan_for_instance(inst: ModelInstance) -> LaunchPlan:

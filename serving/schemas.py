@@ -17,6 +17,8 @@ class LoadIn(Schema):
     tensor_parallel_size: int | None = Field(None, ge=1, le=64)
     extra_args: dict[str, str | int | float | bool | None] | None = Field(None, max_length=64)
     autostart: bool = False
+    fallback: bool | None = Field(None, description="when the backend does not come up, try another backend of "
+                                  "the node once; default: yes for backend auto, no for a backend named")
     aliases: list[str] | None = Field(None, max_length=16, description="more names that route like model_name")
 
 

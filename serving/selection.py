@@ -88,6 +88,18 @@ def _serving(server_type: str, fmt: str) -> str:
                        if server_type in adapter.server_types and fmt in adapter.formats) or "none"
 
 
+def fallback_backends(*, fmt: str, gpu_type: str, backends: list[dict], server_type: str,
+                      failed: str) -> list[str]:
+    """Other backends installed here that serve this model, in the order the table prefers them."""
+    have = _available(backends)
+    names: list[str] = []
+    for name, flavour in PREFERENCES.get((fmt, gpu_type), []):
+        if name != failed and name not in names and (name, flavour) in have \
+                and server_type in ADAPTERS[name].server_types:
+            names.append(name)
+    return names
+
+
 def choose_backend(*, fmt: str, gpu_type: str, backends: list[dict], requested: str | None = None,
                    node_name: str = "this node", server_type: str = "llm") -> BackendChoice:
     """The backend for a model of format `fmt` (and kind `server_type`) on a node with `gpu_type`

@@ -108,8 +108,12 @@ def placement_lock(node_id: int):
 def request_load(*, model_path: str, model_name: str | None = None, server_type: str = "llm",
                  backend: str | None = None, node: str | None = None, gpus: list[int] | None = None,
                  tensor_parallel_size: int | None = None, extra_args: dict | None = None,
-                 autostart: bool = False, user=None, aliases: list[str] | None = None) -> ModelInstance:
+                 autostart: bool = False, user=None, aliases: list[str] | None = None,
+                 fallback: bool | None = None) -> ModelInstance:
     """Plan and record a load (desired RUNNING, state PENDING, its LaunchPlan), then nudge the node's agent.
+
+    `fallback`: may the agent try another backend of the node when this one does not come up?
+    None: yes for a backend chosen automatically, no for one asked for by name.
 
     The plan is made twice: first to pick the node (every node, no lock), then again on that node
     under its placement lock, where the GPU rooms read count every load committed before."""
@@ -121,6 +125,8 @@ def request_load(*, model_path: str, model_name: str | None = None, server_type:
         with placement_lock(plan.node.pk):
             if plan.gpus:  # GPU memory is booked: read the rooms again, under the lock
                 plan = dataclasses.replace(plan_load(node=plan.node.name, **args), placement=plan.placement)
+            may_fall_back = fallback if fallback is not None else backend in (None, "", "auto")
+            plan = dataclasses.replace(plan, launch=dataclasses.replace(plan.launch, fallback=bool(may_fall_back)))
             inst = _record_load(plan, aliases=aliases, autostart=autostart, user=user)
     except IntegrityError:
         # A load for the same name won the race between the name check and this insert.

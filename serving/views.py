@@ -113,7 +113,7 @@ def load_page(request: HttpRequest) -> HttpResponse:
                     model_path=d["model_path"], model_name=d["model_name"] or None, server_type=d["server_type"],
                     backend=d["backend"], node=d["node"] or None, gpus=d["gpus"] or None,
                     tensor_parallel_size=d["tensor_parallel_size"], extra_args=d["extra_args"],
-                    autostart=d["autostart"], user=request.user,
+                    autostart=d["autostart"], user=request.user, fallback=d["fallback"] or None,
                 )
             except LoadRefused as exc:
                 error = exc.message

@@ -53,6 +53,8 @@ RECONCILE_INTERVAL_S = env_int("XGEN_RECONCILE_INTERVAL", 5, minimum=1)
 BACKEND_ENV_PASS = env_list("XGEN_BACKEND_ENV", [])
 # vLLM's --trust-remote-code runs Python from the model's repository: refused unless allowed here.
 ALLOW_TRUST_REMOTE_CODE = env_bool("XGEN_ALLOW_TRUST_REMOTE_CODE", False)
+# A backend that fails to come up is tried once more on another backend of the node (issue 12 #3).
+BACKEND_FALLBACK = env_bool("XGEN_BACKEND_FALLBACK", True)
 
 # Model store: MinIO when configured, else a filesystem store in the data dir.
 MINIO_ENDPOINT = env_str("MINIO_ENDPOINT")

@@ -53,7 +53,7 @@ from serving.node.processes import (
 )
 from serving.node.worker import AgentWorker
 from serving.placement import PlacementError, bind_host, pick_port
-from serving.planning import LaunchPlan, LoadRefused, plan_for_instance, stored_plan
+from serving.planning import LaunchPlan, LoadRefused, fallback_plan, plan_for_instance, stored_plan
 from serving.services import instances_for_node, save_log_tail
 
 if TYPE_CHECKING:
@@ -119,6 +119,7 @@ class BackendRun:
     cancel_copy: threading.Event | None = None  # set to stop a copy into the cache
     lifecycle: asyncio.Task | None = None
     stopper: asyncio.Task | None = None
+    did_not_come_up: str = ""  # why the last start failed (exited, never healthy, warm-up), with its last line
 
     def last_lines(self, n: int = 12) -> str:
         return self.tailer.last_lines(n) if self.tailer else ""
@@ -228,6 +229,8 @@ class Supervisor(AgentWorker):
     async def _lifecycle(self, run: BackendRun) -> None:
         try:
             outcome = await (self._watch_ready(run) if run.adopted else self._run_once(run))
+            if outcome == LOAD_FAILED and not run.stopping and await self._fall_back(run):
+                outcome = await self._run_once(run)
             while outcome == CRASHED and not run.stopping:
                 inst = await db_get(run.instance_id)
                 if inst is None or inst.desired_state != DesiredState.RUNNING:
@@ -367,9 +370,29 @@ class Supervisor(AgentWorker):
             await self._kill(run)
         code = run.process.returncode
         await self._stop_tailer(run)
+        last = run.last_lines(1).strip()
+        run.did_not_come_up = f"{message}: {last[:300]}" if last else message
         await db_mark(run.instance_id, ModelInstance.mark_error, message,
                       last_error=f"{message}\n{run.last_lines()}".strip(), exit_code=code, log_tail=run.tail)
         return LOAD_FAILED
+
+    async def _fall_back(self, run: BackendRun) -> bool:
+        """After a backend did not come up: move the instance to the node's next backend that can
+        serve it, once, when its plan allows (issue 12 #3); True when there is one to start."""
+        why, run.did_not_come_up = run.did_not_come_up, ""
+        if not why or run.plan is None or not run.plan.fallback:
+            return False
+        inst = await db_get(run.instance_id)
+        if inst is None or inst.desired_state != DesiredState.RUNNING:
+            return False
+        plan, why_not = await _db(fallback_plan)(inst, run.plan)
+        if plan is None:
+            log.info("instance %s: no fallback after %s (%s)", run.instance_id, run.plan.backend, why_not)
+            return False
+        await db_mark(run.instance_id, ModelInstance.mark_pending, f"{why}; trying {plan.backend}",
+                      backend=plan.backend, backend_reason=plan.reason, plan=plan.to_json(), gpus=list(plan.gpus))
+        run.plan, run.adopted = plan, False
+        return True
 
     async def _watch_ready(self, run: BackendRun) -> str:
         code = await run.process.wait()
