@@ -36,6 +36,10 @@ DROP_RESPONSE_HEADERS = frozenset({
 })
 USAGE_RE = re.compile(rb'"(prompt_tokens|completion_tokens)"\s*:\s*(\d+)')
 USAGE_TAIL = 4096  # usage sits at the end of a JSON answer and in a stream's last chunks
+# A stream event that carries generated text (chat delta content, a completion's text). A backend
+# that sends no usage in its streams (llama-cpp-python's server has no stream_options) sends one
+# token per event: their count is the stream's completion tokens then.
+TEXT_EVENT_RE = re.compile(rb'"(?:content|text)"\s*:\s*"(?!")')
 WHOLE_BODY_MAX = 1 << 20  # answers up to this size with a Content-Length go out in one message
 
 
@@ -93,6 +97,7 @@ class UpstreamReply:
     ctx: RequestContext | None = None
     busy_mark: float = 0.0
     first_chunk_s: float | None = None
+    text_events: int = 0  # SSE events with generated text, for a stream without usage
     _finished: bool = False
 
     @property
@@ -170,6 +175,7 @@ class UpstreamReply:
                     rest = chunk[end:]
                     pending, pending_size = ([rest], len(rest)) if rest else ([], 0)
                     chunk = out
+                    self.text_events += len(TEXT_EVENT_RE.findall(chunk))
                     if strip and b'"usage"' in chunk:
                         chunk = strip_usage_events(chunk)
                         if not chunk:
@@ -178,6 +184,7 @@ class UpstreamReply:
             clean = True
             if pending:
                 last = b"".join(pending)  # a last event without its blank line: the backend's own framing
+                self.text_events += len(TEXT_EVENT_RE.findall(last))
                 if strip and b'"usage"' in last:
                     last = strip_usage_events(last)
                 if last:
@@ -218,6 +225,8 @@ class UpstreamReply:
                 tokens[kind] = int(value)  # the last occurrence wins (a stream's final chunk)
         status = metrics.CLIENT_GONE if cancelled else self.status
         prompt, completion = tokens.get(b"prompt_tokens", 0), tokens.get(b"completion_tokens", 0)
+        if not tokens and self.text_events:  # a stream without usage: one token per text event
+            completion = self.text_events
         metrics.record(
             model=self.backend.model_name, instance_id=self.backend.instance_id, status=status,
             duration_s=time.perf_counter() - self.started, first_byte_s=self.first_byte_s,

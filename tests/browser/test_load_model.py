@@ -59,9 +59,9 @@ def test_load_watch_chat_unload(demo_console, page):
     page.locator("#log").evaluate("el => { el.scrollTop = 0; el.dispatchEvent(new Event('scroll')); }")
     page.locator("#log-follow").get_by_text("paused").wait_for()
     page.fill("#prompt", "hello there")
-    page.click("#playground-form button[type=submit]")
-    page.locator("#reply-text").wait_for()
-    assert "completion tokens" in page.locator("#playground-reply").inner_text()
+    page.click("#pg-send")
+    page.locator(".pg-assistant[data-done=true]").wait_for(timeout=60_000)
+    assert "tokens" in page.locator(".pg-assistant .pg-stats").inner_text()
     # The backend's access-log line for that chat streams into the open page.
     page.wait_for_function(f"document.querySelectorAll('#log .line').length > {lines_before}")
     assert page.locator("#log .line").count() > lines_before

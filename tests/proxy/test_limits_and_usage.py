@@ -353,3 +353,42 @@ print(json.dumps(ids))
         assert tess["gpu_seconds"] >= charged[ka] + charged[kb] - 0.01
     finally:
         pool.stop_all()
+
+
+def test_a_stream_from_a_backend_without_stream_usage_is_counted(limited, tiny_gguf, tmp_path_factory):
+    """llama-cpp-python's server ignores stream_options: its streams carry no usage. The proxy
+    counts one completion token per text event then, so a streamed answer is never free of quota."""
+    pool = BackendPool(tiny_gguf, tmp_path_factory.mktemp("nousage-llama"))
+    try:
+        real = pool.start("no-stream-usage")
+        code = f"""
+from django.utils import timezone
+from hardware.models import Node
+from serving.models import ModelInstance
+ModelInstance.objects.create(model_name="no-stream-usage", model_path="/m", backend="llama-cpp-python",
+    node=Node.objects.get(name={BACKEND_NODE!r}), port={real.port}, state="READY", ready_at=timezone.now())
+"""
+        limited.console.manage("shell", "-c", code)
+        limited.wait_models({"usage-echo", "other-echo", "no-stream-usage"})
+        key_id, key = new_key(limited, tpm=100000)
+        texts, usage_seen, request_id = 0, False, ""
+        body = {"model": "no-stream-usage", "prompt": "once upon a time", "max_tokens": 12, "stream": True}
+        with httpx.stream("POST", f"{limited.url}/v1/completions", json=body,
+                          headers={"Authorization": f"Bearer {key}"}, timeout=60) as r:
+            assert r.status_code == 200
+            request_id = r.headers["x-request-id"]
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    event = json.loads(line[6:])
+                    usage_seen |= bool(event.get("usage"))
+                    texts += bool(event["choices"] and event["choices"][0].get("text"))
+        assert texts > 0 and not usage_seen  # the engine sent no usage, as said above
+        deadline = time.monotonic() + 15
+        rows = []
+        while time.monotonic() < deadline and not rows:
+            rows = httpx.get(f"{limited.url}/api/requests", headers=limited.auth,
+                             params={"request_id": request_id}).json()["items"]
+            time.sleep(0.3)
+        assert rows and rows[0]["completion_tokens"] == texts and rows[0]["stream"], rows
+    finally:
+        pool.stop_all()
