@@ -37,7 +37,14 @@ from serving.placement import (
     gib,
     gpu_rooms,
 )
-from serving.selection import CPU, BackendUnavailable, choose_backend, fallback_backends, node_gpu_type
+from serving.selection import (
+    CPU,
+    BackendUnavailable,
+    backend_options,
+    choose_backend,
+    fallback_backends,
+    node_gpu_type,
+)
 
 MODEL_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
 PREFIX_RE = re.compile(r"^(gguf|huggingface)/[A-Za-z0-9][A-Za-z0-9._-]{0,200}(/[A-Za-z0-9][A-Za-z0-9._-]{0,200})*$")
@@ -402,6 +409,14 @@ def stored_plan(inst: ModelInstance) -> LaunchPlan | None:
         return LaunchPlan.from_json(inst.plan)
     except ValueError:
         return None
+
+
+def backends_for(plan: LoadPlan) -> list[dict]:
+    """Every backend and whether it can run the planned model on the plan's node (the Load dialog)."""
+    node = plan.node
+    node_type = node_gpu_type(list(GpuDevice.objects.filter(node=node).values_list("type", flat=True)))
+    return backend_options(fmt=plan.source.fmt, gpu_type=node_type, backends=node.backends,
+                           server_type=plan.launch.server_type, node_name=node.name)
 
 
 def fallback_plan(inst: ModelInstance, failed: LaunchPlan) -> tuple[LaunchPlan | None, str]:

@@ -100,6 +100,33 @@ def fallback_backends(*, fmt: str, gpu_type: str, backends: list[dict], server_t
     return names
 
 
+def backend_options(*, fmt: str, gpu_type: str, backends: list[dict], server_type: str,
+                    node_name: str) -> list[dict]:
+    """Every backend for the Load dialog: {name, ok, default, why}; the default first, then the
+    others that can run the model, then those that cannot (why not)."""
+    try:
+        default = choose_backend(fmt=fmt, gpu_type=gpu_type, backends=backends, node_name=node_name,
+                                 server_type=server_type)
+    except BackendUnavailable:
+        default = None
+    rows = []
+    for name in ADAPTERS:
+        if default is not None and name == default.backend:
+            rows.append({"name": name, "ok": True, "default": True,
+                         "why": f"{default.flavour} {default.version}".strip() + f": {default.reason}"})
+            continue
+        try:
+            choice = choose_backend(fmt=fmt, gpu_type=gpu_type, backends=backends, requested=name,
+                                    node_name=node_name, server_type=server_type)
+        except BackendUnavailable as exc:
+            rows.append({"name": name, "ok": False, "default": False, "why": str(exc)})
+        else:
+            where = "; runs on the CPU" if not choice.uses_gpu and gpu_type != CPU else ""
+            rows.append({"name": name, "ok": True, "default": False,
+                         "why": f"{choice.flavour} {choice.version}".strip() + f": can run it if chosen{where}"})
+    return sorted(rows, key=lambda r: (not r["default"], not r["ok"]))
+
+
 def choose_backend(*, fmt: str, gpu_type: str, backends: list[dict], requested: str | None = None,
                    node_name: str = "this node", server_type: str = "llm") -> BackendChoice:
     """The backend for a model of format `fmt` (and kind `server_type`) on a node with `gpu_type`

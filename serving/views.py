@@ -21,7 +21,7 @@ from serving.forms import ExtraArgsError, LoadForm, parse_extra_args
 from serving.models import InstanceState, ModelInstance
 from serving.node.logs import current_log, previous_log
 from serving.placement import gpu_rooms
-from serving.planning import LoadRefused, plan_load
+from serving.planning import LoadRefused, backends_for, plan_load
 from serving.proxy.metrics import usage_summary
 from serving.services import request_load, request_restart, request_unload
 
@@ -88,6 +88,7 @@ def load_verdict(request: HttpRequest) -> HttpResponse:
         plan = plan_load(**_plan_kwargs(request.GET))
         ctx["plan"] = plan
         ctx["command"] = plan.command_line
+        ctx["backends"] = backends_for(plan)
     except ExtraArgsError as exc:
         ctx["error"] = f"Extra arguments: {exc}"
     except LoadRefused as exc:

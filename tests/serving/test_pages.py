@@ -170,3 +170,19 @@ def test_instance_page_shows_proxy_usage(node, viewer, operator, tiny_gguf, monk
     page = logged_in(viewer).get(f"/instances/{inst.pk}/").content.decode()
     usage = page[page.index('id="usage"'):page.index("</section>", page.index('id="usage"'))]
     assert "usage-demo" in usage and ">11<" in usage and ">7<" in usage
+
+
+@pytest.mark.django_db
+def test_the_verdict_lists_every_backend_the_default_first_with_why(node, operator, tiny_gguf):
+    import re
+
+    node.backends = [LLAMA_CPP_PYTHON, {"name": "llama-server", "available": True, "version": "b6500",
+                                        "flavour": "cpu", "path": "/opt/llama-server", "reason": ""}]
+    node.save()
+    html = logged_in(operator).get("/instances/new/verdict", {"model_path": str(tiny_gguf)}).content.decode()
+    rows = re.findall(r'data-backend="([\w-]+)"><strong>[\w-]+</strong>(.*?)</li>', html, re.S)
+    assert [name for name, _ in rows] == ["llama-cpp-python", "llama-server", "vllm"]
+    text = {name: " ".join(rest.split()) for name, rest in rows}
+    assert "default" in text["llama-cpp-python"] and "GGUF on CPU-only -&gt; llama-cpp-python" in text["llama-cpp-python"]
+    assert "can run it if chosen" in text["llama-server"]
+    assert "(cannot)" in text["vllm"] and "vllm cannot serve a gguf model" in text["vllm"]
