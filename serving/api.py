@@ -25,6 +25,8 @@ def instance_out(inst: ModelInstance) -> dict:
         "restarts": inst.restarts, "error": inst.last_error, "exit_code": inst.exit_code,
         "extra_args": inst.extra_args or {}, "ready_at": inst.ready_at, "created_at": inst.created_at,
         "log_tail": list(inst.log_tail or []),
+        "memory": {"estimate_mib": inst.estimated_memory_mib, "measured_mib": inst.measured_memory_mib,
+                   "measured_source": inst.measured_source or None},
         # The argv as planned; {port}, {model} and {python} stay where only the node knows them.
         "command": plan.command(port=inst.port, model=plan.known_model_file,
                                 python=local_python(inst.node.name)) if plan else None,

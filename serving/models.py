@@ -112,6 +112,8 @@ class ModelInstance(models.Model):
     last_error = models.TextField(blank=True)
     log_tail = models.JSONField(default=list, blank=True)
     estimated_memory_mib = models.BigIntegerField(null=True, blank=True)
+    measured_memory_mib = models.BigIntegerField(null=True, blank=True, help_text="what the backend held once READY")
+    measured_source = models.CharField(max_length=16, blank=True, help_text="nvml, amdsmi or rss")
     created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL)
     created_at = models.DateTimeField(default=timezone.now)
     started_at = models.DateTimeField(null=True, blank=True)
@@ -269,6 +271,12 @@ class ModelInstance(models.Model):
         _announce(self, ev)
         return self
 
+    def note(self, message: str) -> None:
+        """A timeline row that is no state change (a measurement, a leak found after a stop)."""
+        ev = InstanceEvent.objects.create(instance=self, from_state=self.state, to_state=self.state,
+                                          message=message[:2000])
+        _announce(self, ev)
+
     def forget_process(self) -> None:
         """A pid recorded on a row that is no longer active (its backend is gone): clear it."""
         type(self).objects.filter(pk=self.pk).update(pid=None, pgid=None)
@@ -293,6 +301,24 @@ class InstanceEvent(models.Model):
 
     class Meta:
         ordering = ["at", "pk"]
+
+
+class MemoryMeasurement(models.Model):
+    """What a model really held on a backend, by what changes it (artifact, backend, context size,
+    tensor parallel size): the next Load dialog and placement use it instead of the estimate."""
+
+    model_path = models.CharField(max_length=1024)
+    backend = models.CharField(max_length=48, help_text="backend and flavour: 'llama-server (cuda)'")
+    ctx = models.IntegerField(default=0, help_text="the context size asked for; 0: the backend's default")
+    tensor_parallel_size = models.IntegerField(default=1)
+    measured_mib = models.BigIntegerField()
+    source = models.CharField(max_length=16)
+    node_name = models.CharField(max_length=100)
+    measured_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["model_path", "backend", "ctx", "tensor_parallel_size"],
+                                               name="one_measurement_per_load_shape")]
 
 
 class UsageBucket(models.Model):

@@ -297,6 +297,8 @@ def make_launch_plan(*, node: Node, source: ModelSource, model_name: str, server
     ctx = next((extra[f] for f in CTX_FLAGS if extra.get(f)), None)
     estimate = estimate_memory(source.local_path, fmt=source.fmt, size_bytes=source.size_bytes,
                                ctx=int(ctx) if ctx else None)
+    estimate = with_measurement(estimate, model_path=source.model_path, backend=f"{choice.backend} ({choice.flavour})",
+                                ctx=int(ctx) if ctx else 0, tensor_parallel_size=tensor_parallel_size or 1)
     if placed_gpus is not None:
         chosen = list(placed_gpus)
         where = f"GPU {', '.join(map(str, chosen))} of {node.name}" if chosen else f"the CPU of {node.name}"
@@ -409,6 +411,48 @@ def stored_plan(inst: ModelInstance) -> LaunchPlan | None:
         return LaunchPlan.from_json(inst.plan)
     except ValueError:
         return None
+
+
+def load_ctx(extra_args: dict | None) -> int:
+    """The context size a load asks for (0: the backend's default)."""
+    extra = extra_args or {}
+    ctx = next((extra[f] for f in CTX_FLAGS if extra.get(f)), None)
+    try:
+        return int(ctx) if ctx else 0
+    except (TypeError, ValueError):
+        return 0
+
+
+def with_measurement(estimate: MemoryEstimate, *, model_path: str, backend: str, ctx: int,
+                     tensor_parallel_size: int) -> MemoryEstimate:
+    """The measured figure of the same load shape in place of the estimate, when one was recorded."""
+    from django.utils.timesince import timesince
+
+    from serving.models import MemoryMeasurement
+
+    m = MemoryMeasurement.objects.filter(model_path=model_path, backend=backend, ctx=ctx,
+                                         tensor_parallel_size=tensor_parallel_size).first()
+    if m is None:
+        return estimate
+    note = f"measured {m.measured_mib} MiB on {m.node_name}, {timesince(m.measured_at).split(',')[0]} ago"
+    return dataclasses.replace(estimate, total_mib=int(m.measured_mib), measured=note,
+                               detail=f"{note} ({m.source}); the estimate was ~{gib(estimate.total_mib)}: "
+                                      f"{estimate.detail}")
+
+
+def record_measurement(instance_id: int, *, plan: LaunchPlan, extra_args: dict, measured_mib: int, source: str,
+                       node_name: str) -> None:
+    """What the instance holds once READY: on the instance, and for the next load of its shape."""
+    from django.utils import timezone
+
+    from serving.models import MemoryMeasurement
+
+    ModelInstance.objects.filter(pk=instance_id).update(measured_memory_mib=measured_mib, measured_source=source)
+    MemoryMeasurement.objects.update_or_create(
+        model_path=plan.model_path, backend=f"{plan.backend} ({plan.flavour})", ctx=load_ctx(extra_args),
+        tensor_parallel_size=plan.tensor_parallel_size,
+        defaults={"measured_mib": measured_mib, "source": source, "node_name": node_name,
+                  "measured_at": timezone.now()})
 
 
 def backends_for(plan: LoadPlan) -> list[dict]:

@@ -37,6 +37,13 @@ class InstanceRef(Schema):
     model_name: str | None = Field(None, max_length=128)
 
 
+class InstanceMemory(Schema):
+    estimate_mib: int | None = Field(None, description="the plan's figure (a measurement of the same load shape "
+                                     "when one was recorded, else the estimate)")
+    measured_mib: int | None = Field(None, description="what the backend held once READY; null until measured")
+    measured_source: str | None = Field(None, description="nvml or amdsmi (GPU memory of its processes), rss (RAM)")
+
+
 class InstanceOut(Schema):
     id: int
     model_name: str
@@ -59,4 +66,5 @@ class InstanceOut(Schema):
     ready_at: datetime | None
     created_at: datetime
     log_tail: list[str]
+    memory: InstanceMemory
     command: list[str] | None = None

@@ -13,6 +13,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from hardware.process_memory import group_pids
+
 
 @dataclass
 class BackendProcess:
@@ -120,16 +122,6 @@ def _listening_inodes(port: int) -> set[str]:
     return inodes
 
 
-def _group_pids(pgid: int) -> list[int]:
-    pids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            fields = _stat_fields(entry)
-            if fields and len(fields) > 2 and fields[2] == str(pgid):
-                pids.append(int(entry))
-    return pids
-
-
 def listener_is_ours(pgid: int | None, port: int) -> bool:
     """Whether the socket listening on `port` belongs to a process of group `pgid`.
 
@@ -141,7 +133,7 @@ def listener_is_ours(pgid: int | None, port: int) -> bool:
     inodes = _listening_inodes(port)
     if not inodes:
         return False
-    for pid in _group_pids(pgid):
+    for pid in group_pids(pgid):
         try:
             fds = os.listdir(f"/proc/{pid}/fd")
         except OSError:

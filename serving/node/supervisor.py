@@ -17,16 +17,18 @@ import contextlib
 import functools
 import logging
 import os
+import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import httpx
 from django.conf import settings
 
+from hardware.process_memory import gpu_leaks, gpu_memory_by_pid, group_pids, measure_group
 from hub import layout
 from hub.cache import resolve_model_path, sync_to_cache
 from live.db import db_async
@@ -53,7 +55,14 @@ from serving.node.processes import (
 )
 from serving.node.worker import AgentWorker
 from serving.placement import PlacementError, bind_host, pick_port
-from serving.planning import LaunchPlan, LoadRefused, fallback_plan, plan_for_instance, stored_plan
+from serving.planning import (
+    LaunchPlan,
+    LoadRefused,
+    fallback_plan,
+    plan_for_instance,
+    record_measurement,
+    stored_plan,
+)
 from serving.services import instances_for_node, save_log_tail
 
 if TYPE_CHECKING:
@@ -120,6 +129,7 @@ class BackendRun:
     lifecycle: asyncio.Task | None = None
     stopper: asyncio.Task | None = None
     did_not_come_up: str = ""  # why the last start failed (exited, never healthy, warm-up), with its last line
+    pids: list[int] = field(default_factory=list)  # the group's processes when last measured
 
     def last_lines(self, n: int = 12) -> str:
         return self.tailer.last_lines(n) if self.tailer else ""
@@ -309,7 +319,24 @@ class Supervisor(AgentWorker):
         if warm_error:
             return await self._failed_load(run, warm_error)
         await db_mark(run.instance_id, ModelInstance.mark_ready, f"ready on port {port}")
+        await self._measure(run)
         return await self._watch_ready(run)
+
+    async def _measure(self, run: BackendRun) -> None:
+        """Record what the READY backend holds (its group's GPU memory, or resident memory on the
+        CPU) on the instance and for the next load of the same shape (issue 12 #4)."""
+        try:
+            measured = await asyncio.to_thread(measure_group, run.process.pgid, list(run.plan.gpus))
+            if measured is None:
+                return
+            run.pids = measured.pids
+            inst = await db_get(run.instance_id)
+            await _db(record_measurement)(run.instance_id, plan=run.plan, extra_args=inst.extra_args if inst else {},
+                                          measured_mib=measured.total_mib, source=measured.source,
+                                          node_name=self.agent.name)
+            log.info("instance %s holds %s", run.instance_id, measured.label)
+        except Exception:  # a measurement must never take a READY backend down
+            log.warning("measuring instance %s failed", run.instance_id, exc_info=True)
 
     async def _resolve_model(self, run: BackendRun, plan: LaunchPlan) -> Path:
         """The local file or directory to serve: a store prefix is synced into the node cache first
@@ -490,12 +517,43 @@ class Supervisor(AgentWorker):
             run.lifecycle.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await run.lifecycle
+        pids = sorted(set(run.pids) | set(await asyncio.to_thread(group_pids, run.process.pgid)
+                                          if run.process is not None else set()))
         await self._kill(run)
         await self._stop_tailer(run)
         self.runs.pop(instance_id, None)
         await unloading
+        await self._check_left_behind(instance_id, run, pids)
         await self._record(instance_id, ModelInstance.mark_stopped, reason, keep_gpus=keep_desired,
                            exit_code=run.process.returncode if run.process else None)
+
+    async def _check_left_behind(self, instance_id: int, run: BackendRun, pids: list[int]) -> None:
+        """After a stop: no process of the group may live on, and none of its pids may still hold
+        GPU memory (a "GPU leak": killed, and said in the timeline)."""
+        if not pids:
+            return
+        try:
+            by_pid, source = ({}, "")
+            if run.plan is not None and run.plan.gpus:
+                by_pid, source = await asyncio.to_thread(gpu_memory_by_pid)
+            leaks = gpu_leaks(pids, by_pid) if source else {}
+            alive = [p for p in pids if pid_alive(p)]
+            if not leaks and not alive:
+                return
+            for pid in sorted(set(alive) | set(leaks)):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+            inst = await db_get(instance_id)
+            if inst is None:
+                return
+            for pid, held in leaks.items():
+                where = ", ".join(f"{mib} MiB on GPU {gpu}" for gpu, mib in sorted(held.items()))
+                await _db(inst.note)(f"GPU leak: pid {pid} of the stopped backend still held {where} ({source}); killed")
+            rest = [p for p in alive if p not in leaks]
+            if rest:
+                await _db(inst.note)(f"processes of the stopped backend were still running ({rest}); killed")
+        except Exception:
+            log.warning("checking what instance %s left behind failed", instance_id, exc_info=True)
 
     # ------------------------------------------------------------ agent restart
     def _recorded(self) -> list[ModelInstance]:

@@ -88,3 +88,20 @@ LDD_ROCM = """	linux-vdso.so.1 (0x00007ffc8b3f2000)
 	libhipblas.so.2 => /opt/rocm/lib/libhipblas.so.2 (0x00007f2a39000000)
 	libc.so.6 => /lib/x86_64-linux-gnu/libc.so.6 (0x00007f2a38e00000)
 """
+
+# nvmlDeviceGetComputeRunningProcesses on an H100 with two vLLM workers of one backend (pids 4711,
+# 4712) and another user's process: c_nvmlProcessInfo_t (v3) with usedGpuMemory in bytes, and None
+# where the driver cannot attribute it (seen in containers without the host PID namespace).
+NVML_PROCESSES_H100 = [
+    SimpleNamespace(pid=4711, usedGpuMemory=70_891_143_168, gpuInstanceId=0xFFFFFFFF, computeInstanceId=0xFFFFFFFF),
+    SimpleNamespace(pid=4712, usedGpuMemory=536_870_912, gpuInstanceId=0xFFFFFFFF, computeInstanceId=0xFFFFFFFF),
+    SimpleNamespace(pid=9001, usedGpuMemory=None, gpuInstanceId=0xFFFFFFFF, computeInstanceId=0xFFFFFFFF),
+]
+# amdsmi 6.x amdsmi_get_gpu_process_list on an MI300X: dicts, memory in bytes.
+AMDSMI_PROCESSES_MI300X = [
+    {"name": "llama-server", "pid": 5150, "mem": 4_404_019_200,
+     "engine_usage": {"gfx": 0, "enc": 0}, "memory_usage": {"gtt_mem": 2_097_152, "cpu_mem": 0, "vram_mem": 4_294_967_296},
+     "cu_occupancy": 0},
+    {"name": "python3", "pid": 6160, "mem": 1_048_576, "engine_usage": {"gfx": 0, "enc": 0},
+     "memory_usage": {"gtt_mem": 0, "cpu_mem": 0, "vram_mem": 1_048_576}, "cu_occupancy": 0},
+]
