@@ -17,6 +17,7 @@ class Holder:
     id: int
     model_name: str
     state: str
+    memory_mib: int = 0  # what the instance booked on each GPU it holds
 
 
 @dataclass

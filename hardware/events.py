@@ -9,6 +9,7 @@ from django.template.loader import render_to_string
 
 from hardware.allocation import node_card, overview
 from hardware.models import Node
+from history.samples import RANGES, dashboard_group
 from live.db import run_db
 from live.publish import publish
 
@@ -45,3 +46,12 @@ async def publish_node(node_name: str) -> None:
     """Send one node's refreshed card and the summary to every browser on the GPUs page."""
     for key, html in await run_db(render_node_update, node_name):
         await publish(GPUS_GROUP, html, key=key)
+
+
+async def publish_dashboard_node(node_name: str) -> None:
+    """Send one node's panel, with its newest sample, to every dashboard open (per range)."""
+    from hardware.dashboard import render_node_panel
+
+    for rng in RANGES.values():
+        key, html = await run_db(render_node_panel, node_name, rng)
+        await publish(dashboard_group(rng.name), html, key=key)

@@ -12,10 +12,11 @@ from typing import Any
 from django.conf import settings
 
 from hardware.backends import probe_backends
+from hardware.dashboard import record_node_sample
 from hardware.detectors import DETECTORS, DetectionReport, Detector, detect
 from hardware.detectors.base import DetectorAttempt, DetectorUnavailable
 from hardware.detectors.cpu import cpu_percent, read_cpu_info, read_cpu_times
-from hardware.events import publish_gpus, publish_node
+from hardware.events import publish_dashboard_node, publish_gpus, publish_node
 from hardware.services import InventoryResult, save_inventory
 from live.db import run_db
 
@@ -88,6 +89,16 @@ class InventoryWorker:
         self.report = result.report
         await run_db(save_inventory, node_name=agent.name, result=result)
         await publish_node(agent.name)
+        await self.sample(agent)
+
+    async def sample(self, agent: Any) -> None:
+        """Keep the refresh as the dashboard's 10 s sample and push it to open dashboards."""
+        try:
+            await run_db(record_node_sample, agent.name)
+        except Exception as exc:  # a lost sample is a gap in a chart, never a failed refresh
+            log.warning("sampling %s for the dashboard failed: %s", agent.name, exc)
+            return
+        await publish_dashboard_node(agent.name)
 
     async def stop(self, agent: Any) -> None:
         """Nothing to stop: the worker owns no process."""

@@ -12,3 +12,8 @@ class ServingConfig(AppConfig):
         set_holder_source(active_holders)  # hardware shows who holds each GPU without importing serving
         set_users_source(cache_users)  # the hub never evicts a cached model an instance uses
         import serving.events  # noqa: F401  (connects the live updates of instance state changes)
+        from serving.dashboard import publish_models
+        from serving.usage import recorder
+
+        if publish_models not in recorder.after_write:
+            recorder.after_write.append(publish_models)  # open dashboards get the model charts after each flush

@@ -1,6 +1,7 @@
 """Websocket consumers of the instance pages (the shared LiveConsumer does the work)."""
 from __future__ import annotations
 
+from history.samples import DEFAULT_RANGE, RANGES, dashboard_group
 from live.consumers import LiveConsumer
 from serving.events import LIST_GROUP, instance_group
 
@@ -17,3 +18,11 @@ class InstanceConsumer(LiveConsumer):
 
     def groups_for(self) -> list[str]:
         return [instance_group(int(self.scope["url_route"]["kwargs"]["pk"]))]
+
+
+class DashboardConsumer(LiveConsumer):
+    """/ws/dashboard/<range>/: node panels, model charts, instance states and events."""
+
+    def groups_for(self) -> list[str]:
+        name = self.scope["url_route"]["kwargs"]["range"]
+        return [dashboard_group(name if name in RANGES else DEFAULT_RANGE)]

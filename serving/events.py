@@ -78,6 +78,9 @@ def state_changed(instance: ModelInstance, event: InstanceEvent | None = None, *
     publish_sync(instance_group(instance.pk), state, key=f"inst-state-{instance.pk}")
     if event is not None:
         publish_sync(instance_group(instance.pk), timeline_html(instance.pk, oob=True), key=f"timeline-{instance.pk}")
+        from serving.dashboard import states_changed
+
+        states_changed()
 
 
 @receiver(instance_changed, dispatch_uid="serving.events.state_changed")

@@ -1,8 +1,9 @@
 from django.urls import path
 
-from serving import usage_views, views
+from serving import dashboard_views, usage_views, views
 
 urlpatterns = [
+    path("", dashboard_views.dashboard, name="home"),
     path("instances/", views.instances_page, name="instances"),
     path("instances/new/", views.load_page, name="instance-load"),
     path("instances/new/verdict", views.load_verdict, name="instance-load-verdict"),

@@ -6,6 +6,9 @@ Busy seconds: while an instance has n requests open in this process, each of the
 every second, so the busy seconds of the keys that used an instance add up to the time it was
 busy at all (the basis of chargeback's GPU-seconds, serving/chargeback.py).
 
+The same flush writes each model's 10 s slots for the dashboard (history.ModelSample): requests,
+errors, tokens and latency/TTFT histograms, summed over every web process.
+
 Also here: the reads behind `GET /api/usage` and `GET /api/requests`, the token totals quotas
 start from, and the agent's worker that prunes the request log.
 """
@@ -22,6 +25,7 @@ from typing import TYPE_CHECKING
 
 from django.conf import settings
 
+from history.samples import ModelCounter, ModelSlot, write_model_slots
 from live.db import db_async, run_db
 from serving.node.worker import AgentWorker
 
@@ -117,6 +121,8 @@ class UsageRecorder:
         self._task: asyncio.Task | None = None
         self._flushing: asyncio.Lock | None = None
         self.dropped_rows = 0
+        self.models = ModelCounter()
+        self.after_write: list = []  # async callables run after a flush that wrote model slots (live dashboard)
 
     # ------------------------------------------------------------ on the request path (no I/O)
     def busy_start(self, instance_id: int) -> float:
@@ -147,6 +153,8 @@ class UsageRecorder:
             counts.prompt_tokens += prompt_tokens
             counts.completion_tokens += completion_tokens
             counts.busy_seconds += busy_s
+        self.models.add(model=model, duration_s=time.perf_counter() - ctx.t0, ttft_s=ttft_s,
+                        prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, failed=failed, at=now)
         self._log(ctx, model=model, instance_id=instance_id, node=node, status=status, error=error or "",
                   prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, ttft_s=ttft_s)
 
@@ -196,13 +204,15 @@ class UsageRecorder:
             await asyncio.sleep(settings.USAGE_FLUSH_S)
             await self.flush()
 
-    def _take(self) -> tuple[dict[BucketKey, _Counts], list[dict]]:
+    def _take(self) -> tuple[dict[BucketKey, _Counts], list[dict], dict[tuple[int, str], ModelSlot]]:
         with self._lock:
             buckets, rows = self._buckets, self._rows
             self._buckets, self._rows = {}, []
-        return buckets, rows
+        return buckets, rows, self.models.take()
 
-    def _give_back(self, buckets: dict[BucketKey, _Counts], rows: list[dict]) -> None:
+    def _give_back(self, buckets: dict[BucketKey, _Counts], rows: list[dict],
+                   slots: dict[tuple[int, str], ModelSlot]) -> None:
+        self.models.give_back(slots)
         with self._lock:
             for bucket, counts in buckets.items():
                 mine = self._buckets.get(bucket)
@@ -217,30 +227,36 @@ class UsageRecorder:
         The number of buckets and rows written."""
         lock = self._flushing or asyncio.Lock()
         async with lock:
-            buckets, rows = self._take()
-            if not buckets and not rows:
+            buckets, rows, slots = self._take()
+            if not buckets and not rows and not slots:
                 return 0
             try:
-                await _awrite(buckets, rows)
+                await _awrite(buckets, rows, slots)
             except asyncio.CancelledError:
-                self._give_back(buckets, rows)
+                self._give_back(buckets, rows, slots)
                 raise
             except Exception as exc:
-                self._give_back(buckets, rows)
+                self._give_back(buckets, rows, slots)
                 log.warning("writing usage failed (%d buckets, %d request rows kept for the next try): %s",
                             len(buckets), len(rows), exc)
                 return 0
-            return len(buckets) + len(rows)
+        if slots:
+            for hook in self.after_write:
+                try:
+                    await hook()
+                except Exception:  # a live push must never lose usage
+                    log.warning("after-write hook failed", exc_info=True)
+        return len(buckets) + len(rows)
 
     def flush_sync(self) -> int:
         """flush() for code with no event loop (tests, the Ninja path under a sync server)."""
-        buckets, rows = self._take()
-        if not buckets and not rows:
+        buckets, rows, slots = self._take()
+        if not buckets and not rows and not slots:
             return 0
         try:
-            _write(buckets, rows)
+            _write(buckets, rows, slots)
         except Exception:
-            self._give_back(buckets, rows)
+            self._give_back(buckets, rows, slots)
             raise
         return len(buckets) + len(rows)
 
@@ -254,9 +270,10 @@ class UsageRecorder:
         await self.flush()
 
 
-def _write(buckets: dict[BucketKey, _Counts], rows: list[dict]) -> None:
-    """Add the counts to their hour's rows (created when missing; another process may race) and
-    append the request-log rows, in one transaction."""
+def _write(buckets: dict[BucketKey, _Counts], rows: list[dict],
+           slots: dict[tuple[int, str], ModelSlot] | None = None) -> None:
+    """Add the counts to their hour's rows (created when missing; another process may race),
+    append the request-log rows and add the models' 10 s slots, in one transaction."""
     from django.db import IntegrityError, transaction
     from django.db.models import F
 
@@ -282,6 +299,7 @@ def _write(buckets: dict[BucketKey, _Counts], rows: list[dict]) -> None:
                         busy_seconds=c.busy_seconds)
             except IntegrityError:  # another web process created it just now
                 UsageBucket.objects.filter(**where).update(**increments)
+        write_model_slots(slots or {})
         if rows:
             RequestLog.objects.bulk_create(
                 [RequestLog(**{**r, "at": datetime.fromtimestamp(r["at"], tz=UTC)}) for r in rows], batch_size=500)

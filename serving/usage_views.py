@@ -12,8 +12,8 @@ from django.shortcuts import render
 from django.views.decorators.http import require_GET
 
 from accounts.errors import ApiError
+from history.charts import stacked_bars
 from serving.chargeback import chargeback
-from serving.charts import stacked_bars
 from serving.usage import request_rows, usage_rows
 from serving.usage_api import time_range
 

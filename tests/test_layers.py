@@ -4,7 +4,7 @@ are left out).
 
 Layers, lowest first: live (publish helpers, the live consumer, the one database bridge: it
 imports nothing of the project), accounts (users, keys, every way in, the error shape: it imports
-only live), hardware, hub, serving, and xgenconsole (wiring only: settings, urls, asgi, the API,
+only live), history (the fleet's samples and the SVG charts: it imports only live), hardware, hub, serving, and xgenconsole (wiring only: settings, urls, asgi, the API,
 serve).
 Inside serving, adapters import nothing of serving above them.
 """
@@ -15,8 +15,8 @@ from pathlib import Path
 
 from tests.conftest import REPO
 
-PACKAGES = ("accounts", "live", "hardware", "hub", "serving", "xgenconsole")
-RANK = {"live": 0, "accounts": 1, "hardware": 2, "hub": 3, "serving": 4, "xgenconsole": 5}
+PACKAGES = ("accounts", "live", "history", "hardware", "hub", "serving", "xgenconsole")
+RANK = {"live": 0, "accounts": 1, "history": 1.5, "hardware": 2, "hub": 3, "serving": 4, "xgenconsole": 5}
 
 
 def _module_name(path: Path) -> str:

@@ -106,6 +106,7 @@ INSTALLED_APPS = [
     "django_htmx",
     "ninja",
     "accounts",
+    "history",
     "xgenconsole",  # no models since 0.2.0; its migrations stay (0.1.0 databases applied them)
     "hardware",
     "hub",

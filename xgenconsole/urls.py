@@ -4,7 +4,6 @@ from xgenconsole import views
 from xgenconsole.api import api
 
 urlpatterns = [
-    path("", views.home, name="home"),
     path("healthz", views.healthz, name="healthz"),
     path("readyz", views.readyz, name="readyz"),
     path("", include("accounts.urls")),

@@ -1,4 +1,4 @@
-"""Project-level views: home, health (readyz asks the database, the channel layer and the nodes),
+"""Project-level views: health (readyz asks the database, the channel layer and the nodes),
 and the JSON or HTML answer for unknown routes and errors."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import uuid
 from channels.layers import get_channel_layer
 from django.contrib.auth.decorators import login_not_required
 from django.http import HttpRequest, HttpResponse, JsonResponse
-from django.shortcuts import redirect, render
+from django.shortcuts import render
 from django.views.decorators.csrf import csrf_exempt
 
 from accounts.errors import json_error
@@ -16,10 +16,6 @@ from hardware.models import Node
 from live.db import run_db
 
 log = logging.getLogger(__name__)
-
-
-def home(request: HttpRequest) -> HttpResponse:
-    return redirect("instances")
 
 
 @login_not_required

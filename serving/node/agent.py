@@ -19,6 +19,7 @@ from django.conf import settings
 
 from hardware.inventory import InventoryWorker
 from hardware.services import record_heartbeat, register_node
+from history.worker import DownsampleWorker
 from hub.worker import HubWorker
 from live.db import DatabaseUnavailable, run_db
 from serving.events import node_group
@@ -40,6 +41,7 @@ def default_workers() -> list[AgentWorker]:
     workers.append(HubWorker())  # hub: store index, demo model, Hugging Face download jobs
     workers.append(Supervisor())  # serving: backend processes of this node's instances
     workers.append(RequestLogPruner())  # serving: the request log's retention (XGEN_REQUEST_LOG_DAYS)
+    workers.append(DownsampleWorker())  # history: the dashboard's samples rolled up and pruned
     return workers
 
 

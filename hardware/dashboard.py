@@ -1,0 +1,98 @@
+"""The dashboard's node panels: per node, memory and utilization over a range, per GPU (a node
+without a GPU charts its RAM and CPU), drawn from history's samples; and the 10 s sample the
+node agent takes of its node."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from django.template.loader import render_to_string
+from django.utils.safestring import SafeString
+
+from hardware.allocation import gpu_holders
+from hardware.models import Node
+from history.charts import line_chart
+from history.samples import HOST_GPU, Range, ResourceReading, record_resources, resource_series
+
+GIB = 1024.0
+
+
+def record_node_sample(node_name: str, *, at: float | None = None) -> int:
+    """Sample the node's RAM/CPU and each GPU's memory, booking and utilization (as last stored)."""
+    node = Node.objects.prefetch_related("gpus").get(name=node_name)
+    holders = gpu_holders(node)
+    readings = [ResourceReading(gpu=HOST_GPU, mem_used_mib=node.memory_used_mib, mem_total_mib=node.memory_total_mib,
+                                util_pct=node.cpu_percent)]
+    for g in node.gpus.all():
+        holder = holders.get(g.index)
+        readings.append(ResourceReading(gpu=g.index, mem_used_mib=g.memory_used_mib, mem_total_mib=g.memory_total_mib,
+                                        mem_alloc_mib=holder.memory_mib if holder else 0, util_pct=g.utilization_pct))
+    return record_resources(node=node.name, readings=readings, at=at)
+
+
+@dataclass
+class NodePanel:
+    node: Node
+    status: str
+    gpu_count: int
+    note: str
+    memory_chart: SafeString
+    util_chart: SafeString
+
+    @property
+    def element_id(self) -> str:
+        return f"dash-node-{self.node.pk}"
+
+
+def _gib(values: list[float | None]) -> list[float | None]:
+    return [None if v is None else v / GIB for v in values]
+
+
+def _panel(node: Node, rng: Range, times: list[int], series: dict) -> NodePanel:
+    gpus = sorted(node.gpus.all(), key=lambda g: g.index)
+    base = f"chart-{node.pk}-{rng.name}"
+    if gpus:
+        rows = {g.index: series.get((node.name, g.index)) for g in gpus}
+        mem = {f"gpu{i}": _gib(s.mem_used_mib) if s else [None] * len(times) for i, s in rows.items()}
+        booked = [None] * len(times)
+        for s in rows.values():
+            if s is None:
+                continue
+            for k, v in enumerate(s.mem_alloc_mib):
+                if v is not None:
+                    booked[k] = (booked[k] or 0.0) + v / GIB
+        if any(booked):
+            mem["booked (all GPUs)"] = booked
+        util = {f"gpu{i}": s.util_pct if s else [None] * len(times) for i, s in rows.items()}
+        mem_chart = line_chart(times=times, series=mem, unit="GiB", chart_id=f"{base}-mem", step_s=rng.bucket_s,
+                               label=f"{node.name}: GPU memory used, GiB, last {rng.name}")
+        util_chart = line_chart(times=times, series=util, unit="%", y_max=100, chart_id=f"{base}-util",
+                                step_s=rng.bucket_s, label=f"{node.name}: GPU utilization, %, last {rng.name}")
+        note = ""
+    else:
+        host = series.get((node.name, HOST_GPU))
+        empty = [None] * len(times)
+        total = (host.mem_total_mib if host else node.memory_total_mib) / GIB
+        mem_chart = line_chart(times=times, series={"RAM used": _gib(host.mem_used_mib) if host else empty},
+                               unit="GiB", y_max=total or None, chart_id=f"{base}-mem", step_s=rng.bucket_s,
+                               label=f"{node.name}: RAM used, GiB, last {rng.name}")
+        util_chart = line_chart(times=times, series={"CPU": host.util_pct if host else empty}, unit="%", y_max=100,
+                                chart_id=f"{base}-util", step_s=rng.bucket_s,
+                                label=f"{node.name}: CPU use, %, last {rng.name}")
+        note = "No GPU on this node: RAM and CPU shown."
+    return NodePanel(node=node, status=node.status, gpu_count=len(gpus), note=note, memory_chart=mem_chart,
+                     util_chart=util_chart)
+
+
+def node_panels(rng: Range, *, now: float | None = None) -> list[NodePanel]:
+    """Every node's panel over `rng` (two queries whatever the fleet's size)."""
+    times, series = resource_series(rng, now=now)
+    return [_panel(node, rng, times, series) for node in Node.objects.prefetch_related("gpus")]
+
+
+def render_node_panel(node_name: str, rng: Range) -> tuple[str, str]:
+    """(element id, out-of-band html) of one node's panel, for the live dashboard."""
+    node = Node.objects.prefetch_related("gpus").get(name=node_name)
+    times, series = resource_series(rng, node=node.name)
+    panel = _panel(node, rng, times, series)
+    html = render_to_string("hardware/partials/_dash_node.html", {"panel": panel, "oob": True})
+    return panel.element_id, html

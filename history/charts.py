@@ -1,0 +1,167 @@
+"""Charts drawn on the server as inline SVG (no chart library, nothing from a CDN): stacked bars
+(the usage pages) and lines over time (the dashboard); one colour per series, hover values in
+SVG <title>s, axes with units, a legend with each series' current value, and an empty state."""
+from __future__ import annotations
+
+import time
+
+from django.utils.html import escape
+from django.utils.safestring import SafeString, mark_safe
+
+PALETTE = ("#2459d6", "#1f8a4c", "#b7791f", "#6b46c1", "#c53030", "#2b6cb0", "#718096", "#d69e2e")
+MAX_SERIES = len(PALETTE) - 1  # the rest is summed as "other"
+IDLE_COLOUR = "#cbd5e0"
+
+
+def _short(value: float) -> str:
+    for limit, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= limit:
+            return f"{value / limit:.1f}{suffix}"
+    return f"{value:.0f}" if value >= 10 or value == int(value) else f"{value:.2f}"
+
+
+def top_series(series: dict[str, list[float]], keep: int = MAX_SERIES) -> dict[str, list[float]]:
+    """The `keep` largest series by total, the rest summed as "other" (idle stays apart)."""
+    named = {k: v for k, v in series.items() if k != "(idle)"}
+    order = sorted(named, key=lambda k: -sum(named[k]))
+    out = {k: named[k] for k in order[:keep]}
+    rest = order[keep:]
+    if rest:
+        out["other"] = [sum(named[k][i] for k in rest) for i in range(len(named[rest[0]]))]
+    if "(idle)" in series:
+        out["(idle)"] = series["(idle)"]
+    return out
+
+
+def stacked_bars(*, labels: list[str], series: dict[str, list[float]], unit: str = "", chart_id: str = "",
+                 width: int = 760, height: int = 190) -> SafeString:
+    """An SVG of one bar per label, stacked by series. Empty data draws an empty frame with a note."""
+    series = top_series(series)
+    left, right, top, bottom = 48, 8, 10, 22
+    plot_w, plot_h = width - left - right, height - top - bottom
+    n = max(1, len(labels))
+    totals = [sum(values[i] for values in series.values()) for i in range(len(labels))]
+    peak = max(totals, default=0) or 1.0
+    slot = plot_w / n
+    bar = max(1.0, slot * 0.8)
+    parts = [f'<svg class="chart" id="{escape(chart_id)}" viewBox="0 0 {width} {height}" role="img" '
+             f'preserveAspectRatio="none" xmlns="http://www.w3.org/2000/svg">']
+    parts.append(f'<line x1="{left}" y1="{top + plot_h}" x2="{width - right}" y2="{top + plot_h}" stroke="#dfe3e8"/>')
+    for frac in (0.5, 1.0):
+        y = top + plot_h * (1 - frac)
+        parts.append(f'<line x1="{left}" y1="{y:.1f}" x2="{width - right}" y2="{y:.1f}" stroke="#eef1f4"/>')
+        parts.append(f'<text x="{left - 4}" y="{y + 4:.1f}" text-anchor="end" font-size="10" fill="#6b7685">'
+                     f'{escape(_short(peak * frac))}</text>')
+    colours = {name: (IDLE_COLOUR if name == "(idle)" else PALETTE[i % len(PALETTE)])
+               for i, name in enumerate(series)}
+    for i, label in enumerate(labels):
+        x = left + i * slot + (slot - bar) / 2
+        y = top + plot_h
+        for name, values in series.items():
+            value = values[i]
+            if value <= 0:
+                continue
+            h = plot_h * value / peak
+            y -= h
+            parts.append(f'<rect x="{x:.1f}" y="{y:.1f}" width="{bar:.1f}" height="{max(h, 0.5):.1f}" '
+                         f'fill="{colours[name]}"><title>{escape(label)} · {escape(name)}: '
+                         f'{escape(_short(value))} {escape(unit)}</title></rect>')
+    if labels:
+        for i in sorted({0, len(labels) // 2, len(labels) - 1}):
+            x = left + i * slot + slot / 2
+            anchor = "start" if i == 0 else "end" if i == len(labels) - 1 else "middle"
+            parts.append(f'<text x="{x:.1f}" y="{height - 6}" text-anchor="{anchor}" font-size="10" '
+                         f'fill="#6b7685">{escape(labels[i])}</text>')
+    if not any(totals):
+        parts.append(f'<text x="{left + plot_w / 2}" y="{top + plot_h / 2}" text-anchor="middle" font-size="12" '
+                     f'fill="#6b7685">no data in this range</text>')
+    parts.append("</svg>")
+    legend = "".join(f'<span class="legend-item"><i style="background:{colours[name]}"></i>{escape(name)}</span>'
+                     for name in series)
+    return mark_safe("".join(parts) + f'<div class="legend">{legend}</div>')  # noqa: S308 (every value escaped)
+
+
+def _nice_top(peak: float) -> float:
+    """The axis top: 1, 2 or 5 times a power of ten at or above `peak`."""
+    if peak <= 0:
+        return 1.0
+    scale = 10 ** len(str(int(peak))) / 10 if peak >= 1 else 1.0
+    while scale > peak:
+        scale /= 10
+    for mult in (1, 2, 5, 10):
+        if scale * mult >= peak:
+            return scale * mult
+    return scale * 10
+
+
+def _value(value: float | None, unit: str) -> str:
+    if value is None:
+        return "–"
+    return f"{_short(value)} {unit}".rstrip()
+
+
+def line_chart(*, times: list[int], series: dict[str, list[float | None]], unit: str, chart_id: str,
+               label: str, step_s: int, y_max: float | None = None, empty: str = "no data in this range",
+               width: int = 560, height: int = 150) -> SafeString:
+    """An SVG of one line per series over `times` (epoch seconds, one slot each; None = no sample).
+
+    The y axis is labelled in `unit` (fixed to `y_max` for percentages), the x axis in local
+    clock time; each slot has a hover column whose <title> lists every series' value there, and
+    the legend shows the newest value of each series.
+    """
+    left, right, top, bottom = 52, 8, 8, 20
+    plot_w, plot_h = width - left - right, height - top - bottom
+    n = max(1, len(times))
+    values = [v for vs in series.values() for v in vs if v is not None]
+    top_value = y_max if y_max is not None else _nice_top(max(values, default=0.0))
+    slot = plot_w / n
+    parts = [f'<svg class="chart line-chart" id="{escape(chart_id)}" viewBox="0 0 {width} {height}" role="img" '
+             f'aria-label="{escape(label)}" xmlns="http://www.w3.org/2000/svg">']
+    for frac in (0.0, 0.5, 1.0):
+        y = top + plot_h * (1 - frac)
+        parts.append(f'<line x1="{left}" y1="{y:.1f}" x2="{width - right}" y2="{y:.1f}" stroke="#e6e9ee"/>'
+                     f'<text x="{left - 4}" y="{y + 3.5:.1f}" text-anchor="end" font-size="10" fill="#5b6675">'
+                     f'{escape(_value(top_value * frac, unit))}</text>')
+    clock = "%H:%M" if step_s < 3600 else "%a %H:%M"
+    if times:
+        for i in sorted({0, n // 2, n - 1}):
+            anchor = "start" if i == 0 else "end" if i == n - 1 else "middle"
+            x = left + i * slot + (slot / 2 if 0 < i < n - 1 else 0 if i == 0 else slot)
+            parts.append(f'<text x="{x:.1f}" y="{height - 5}" text-anchor="{anchor}" font-size="10" fill="#5b6675">'
+                         f'{time.strftime(clock, time.gmtime(times[i]))}</text>')
+    colours = {name: PALETTE[i % len(PALETTE)] for i, name in enumerate(series)}
+    scale = plot_h / top_value if top_value else 0.0
+    for name, vs in series.items():
+        runs: list[list[str]] = [[]]
+        for i, v in enumerate(vs):
+            if v is None:
+                if runs[-1]:
+                    runs.append([])
+                continue
+            runs[-1].append(f"{left + i * slot + slot / 2:.1f},{top + plot_h - min(v, top_value) * scale:.1f}")
+        for run in runs:
+            if len(run) == 1:
+                x, y = run[0].split(",")
+                parts.append(f'<circle cx="{x}" cy="{y}" r="1.8" fill="{colours[name]}"/>')
+            elif run:
+                parts.append(f'<polyline fill="none" stroke="{colours[name]}" stroke-width="1.5" '
+                             f'points="{" ".join(run)}"/>')
+    if values:
+        names = list(series)
+        for i, at in enumerate(times):
+            shown = [f"{n}: {_value(series[n][i], unit)}" for n in names if series[n][i] is not None]
+            if shown:
+                parts.append(f'<rect class="hover" x="{left + i * slot:.1f}" y="{top}" width="{slot:.2f}" '
+                             f'height="{plot_h}" fill="transparent"><title>'
+                             f'{time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(at))} · '
+                             f'{escape(" · ".join(shown))}</title></rect>')
+    else:
+        parts.append(f'<text x="{left + plot_w / 2}" y="{top + plot_h / 2}" text-anchor="middle" font-size="12" '
+                     f'fill="#5b6675">{escape(empty)}</text>')
+    parts.append("</svg>")
+    legend = []
+    for name, vs in series.items():
+        current = next((v for v in reversed(vs) if v is not None), None)
+        legend.append(f'<span class="legend-item"><i style="background:{colours[name]}"></i>{escape(name)} '
+                      f'<b class="current">{escape(_value(current, unit))}</b></span>')
+    return mark_safe("".join(parts) + f'<div class="legend">{"".join(legend)}</div>')  # noqa: S308 (escaped)
