@@ -10,7 +10,8 @@ from accounts.auth import ApiKeyAuth, SessionAuthWithCsrf
 PUBLIC_PAGES = {"/healthz", "/readyz", "/accounts/login/"}
 MISSING_ID = "999999"
 # Routes added for 0.2 (issue 14) and the role each needs; the matrix fails if one goes missing.
-ADDED_PAGES = {("/usage/", None), ("/requests/", None), ("/audit/", "admin"), ("/keys/1/", "admin")}
+ADDED_PAGES = {("/usage/", None), ("/requests/", None), ("/audit/", "admin"), ("/keys/1/", "admin"),
+               ("/", "viewer")}  # the dashboard (issue 16)
 ADDED_API = {
     ("POST", "/api/keys", "admin"), ("GET", "/api/keys", "admin"), ("GET", f"/api/keys/{MISSING_ID}", "admin"),
     ("PATCH", f"/api/keys/{MISSING_ID}", "admin"), ("DELETE", f"/api/keys/{MISSING_ID}", "admin"),
