@@ -1,5 +1,5 @@
-"""The dashboard's node panels: per node, memory and utilization over a range, per GPU (a node
-without a GPU charts its RAM and CPU), drawn from history's samples; and the 10 s sample the
+"""The dashboard's node panels (per node: its GPUs' memory and utilization, its CPU; a node without
+a GPU charts its RAM and CPU) and the node page's per-GPU charts, drawn from history's samples; and the 10 s sample the
 node agent takes of its node."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from django.utils.safestring import SafeString
 from hardware.allocation import gpu_holders
 from hardware.models import Node
 from history.charts import line_chart
-from history.samples import HOST_GPU, Range, ResourceReading, record_resources, resource_series
+from history.samples import ALL_GPUS, HOST_GPU, Range, ResourceReading, record_resources, resource_series
 
 GIB = 1024.0
 
@@ -48,39 +48,59 @@ def _gib(values: list[float | None]) -> list[float | None]:
 
 
 def _panel(node: Node, rng: Range, times: list[int], series: dict) -> NodePanel:
-    gpus = sorted(node.gpus.all(), key=lambda g: g.index)
+    """The dashboard's panel: the node's GPUs together (memory summed, utilization averaged) and
+    its CPU; a node without a GPU charts its RAM and CPU."""
+    gpus = len(node.gpus.all())
     base = f"chart-{node.pk}-{rng.name}"
+    empty = [None] * len(times)
+    host = series.get((node.name, HOST_GPU))
+    cpu = host.util_pct if host else empty
     if gpus:
-        rows = {g.index: series.get((node.name, g.index)) for g in gpus}
-        mem = {f"gpu{i}": _gib(s.mem_used_mib) if s else [None] * len(times) for i, s in rows.items()}
-        booked = [None] * len(times)
-        for s in rows.values():
-            if s is None:
-                continue
-            for k, v in enumerate(s.mem_alloc_mib):
-                if v is not None:
-                    booked[k] = (booked[k] or 0.0) + v / GIB
-        if any(booked):
-            mem["booked (all GPUs)"] = booked
-        util = {f"gpu{i}": s.util_pct if s else [None] * len(times) for i, s in rows.items()}
-        mem_chart = line_chart(times=times, series=mem, unit="GiB", chart_id=f"{base}-mem", step_s=rng.bucket_s,
-                               label=f"{node.name}: GPU memory used, GiB, last {rng.name}")
-        util_chart = line_chart(times=times, series=util, unit="%", y_max=100, chart_id=f"{base}-util",
-                                step_s=rng.bucket_s, label=f"{node.name}: GPU utilization, %, last {rng.name}")
+        both = series.get((node.name, ALL_GPUS))
+        total = (both.mem_total_mib if both and both.mem_total_mib else sum(g.memory_total_mib for g in node.gpus.all()))
+        mem = {"used": _gib(both.mem_used_mib) if both else empty}
+        if both and any(both.mem_alloc_mib):
+            mem["booked by instances"] = _gib(both.mem_alloc_mib)
+        mem_chart = line_chart(times=times, series=mem, unit="GiB", y_max=total / GIB or None, chart_id=f"{base}-mem",
+                               step_s=rng.bucket_s, label=f"{node.name}: GPU memory of its {gpus} GPUs, GiB, last {rng.name}")
+        util_chart = line_chart(times=times, series={f"GPUs (mean of {gpus})": both.util_pct if both else empty,
+                                                     "CPU": cpu}, unit="%", y_max=100, chart_id=f"{base}-util",
+                                step_s=rng.bucket_s, label=f"{node.name}: GPU and CPU utilization, %, last {rng.name}")
         note = ""
     else:
-        host = series.get((node.name, HOST_GPU))
-        empty = [None] * len(times)
         total = (host.mem_total_mib if host else node.memory_total_mib) / GIB
         mem_chart = line_chart(times=times, series={"RAM used": _gib(host.mem_used_mib) if host else empty},
                                unit="GiB", y_max=total or None, chart_id=f"{base}-mem", step_s=rng.bucket_s,
                                label=f"{node.name}: RAM used, GiB, last {rng.name}")
-        util_chart = line_chart(times=times, series={"CPU": host.util_pct if host else empty}, unit="%", y_max=100,
+        util_chart = line_chart(times=times, series={"CPU": cpu}, unit="%", y_max=100,
                                 chart_id=f"{base}-util", step_s=rng.bucket_s,
                                 label=f"{node.name}: CPU use, %, last {rng.name}")
         note = "No GPU on this node: RAM and CPU shown."
-    return NodePanel(node=node, status=node.status, gpu_count=len(gpus), note=note, memory_chart=mem_chart,
+    return NodePanel(node=node, status=node.status, gpu_count=gpus, note=note, memory_chart=mem_chart,
                      util_chart=util_chart)
+
+
+def gpu_panel(node: Node, rng: Range, *, now: float | None = None) -> NodePanel:
+    """The node page's panel: memory used and booked, and utilization, per GPU."""
+    times, series = resource_series(rng, node=node.name, per_gpu=True, now=now)
+    gpus = sorted(node.gpus.all(), key=lambda g: g.index)
+    if not gpus:
+        return _panel(node, rng, times, series)
+    empty = [None] * len(times)
+    rows = {g.index: series.get((node.name, g.index)) for g in gpus}
+    mem: dict[str, list[float | None]] = {}
+    for i, s in rows.items():
+        mem[f"gpu{i} used"] = _gib(s.mem_used_mib) if s else empty
+        if s and any(s.mem_alloc_mib):
+            mem[f"gpu{i} booked"] = _gib(s.mem_alloc_mib)
+    util = {f"gpu{i}": s.util_pct if s else empty for i, s in rows.items()}
+    base = f"chart-gpus-{node.pk}-{rng.name}"
+    return NodePanel(
+        node=node, status=node.status, gpu_count=len(gpus), note="",
+        memory_chart=line_chart(times=times, series=mem, unit="GiB", chart_id=f"{base}-mem", step_s=rng.bucket_s,
+                                label=f"{node.name}: memory per GPU, GiB, last {rng.name}"),
+        util_chart=line_chart(times=times, series=util, unit="%", y_max=100, chart_id=f"{base}-util",
+                              step_s=rng.bucket_s, label=f"{node.name}: utilization per GPU, %, last {rng.name}"))
 
 
 def node_panels(rng: Range, *, now: float | None = None) -> list[NodePanel]:

@@ -7,7 +7,9 @@ from django.shortcuts import get_object_or_404, render
 from accounts.auth import role_required
 from accounts.models import Role
 from hardware.allocation import node_card, overview
+from hardware.dashboard import gpu_panel
 from hardware.models import Node
+from history.samples import DEFAULT_RANGE, RANGES
 
 
 @role_required(Role.VIEWER)
@@ -21,7 +23,9 @@ def gpus_page(request: HttpRequest) -> HttpResponse:
 
 @role_required(Role.VIEWER)
 def node_detail(request: HttpRequest, name: str) -> HttpResponse:
-    """One node: backends, GPUs, detection report and recent heartbeats."""
+    """One node: backends, GPUs, detection report, per-GPU history (?range=) and recent heartbeats."""
     node = get_object_or_404(Node.objects.prefetch_related("gpus"), name=name)
+    rng = RANGES.get(request.GET.get("range", DEFAULT_RANGE), RANGES[DEFAULT_RANGE])
     return render(request, "hardware/node_detail.html",
-                  {"card": node_card(node), "node": node, "heartbeats": node.heartbeats.all()[:60]})
+                  {"card": node_card(node), "node": node, "heartbeats": node.heartbeats.all()[:60],
+                   "history": gpu_panel(node, rng), "range": rng, "ranges": list(RANGES)})

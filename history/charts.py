@@ -147,14 +147,15 @@ def line_chart(*, times: list[int], series: dict[str, list[float | None]], unit:
                 parts.append(f'<polyline fill="none" stroke="{colours[name]}" stroke-width="1.5" '
                              f'points="{" ".join(run)}"/>')
     if values:
-        names = list(series)
+        names = [(escape(n), vs) for n, vs in series.items()]
+        suffix = f" {escape(unit)}" if unit else ""
         for i, at in enumerate(times):
-            shown = [f"{n}: {_value(series[n][i], unit)}" for n in names if series[n][i] is not None]
+            shown = [f"{n}: {_short(vs[i])}{suffix}" for n, vs in names if vs[i] is not None]
             if shown:
                 parts.append(f'<rect class="hover" x="{left + i * slot:.1f}" y="{top}" width="{slot:.2f}" '
                              f'height="{plot_h}" fill="transparent"><title>'
-                             f'{time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(at))} · '
-                             f'{escape(" · ".join(shown))}</title></rect>')
+                             f'{time.strftime("%Y-%m-%d %H:%M", time.gmtime(at))} UTC · {" · ".join(shown)}'
+                             f'</title></rect>')
     else:
         parts.append(f'<text x="{left + plot_w / 2}" y="{top + plot_h / 2}" text-anchor="middle" font-size="12" '
                      f'fill="#5b6675">{escape(empty)}</text>')

@@ -10,10 +10,12 @@ from __future__ import annotations
 from django.db import models
 
 HOST_GPU = -1  # the `gpu` of a node's own row: RAM and CPU
+ALL_GPUS = -2  # the `gpu` of a node's GPUs summed (memory) and averaged (utilization): the dashboard reads these
 
 
 class ResourceSample(models.Model):
-    """One node's RAM/CPU (gpu = -1) or one GPU's memory and utilization, averaged over a slot."""
+    """One node's RAM/CPU (gpu = -1), all its GPUs together (gpu = -2) or one GPU's memory and
+    utilization, averaged over a slot."""
 
     step = models.SmallIntegerField()
     at = models.BigIntegerField()

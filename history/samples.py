@@ -9,13 +9,14 @@ always there, and averages weighted by each row's step.
 from __future__ import annotations
 
 import bisect
+import json
 import threading
 import time
 from dataclasses import dataclass, field
 
 from django.db import connection, transaction
 
-from history.models import HOST_GPU, ModelSample, ResourceSample
+from history.models import ALL_GPUS, HOST_GPU, ModelSample, ResourceSample
 
 FINE = 10
 TIERS = (10, 300, 3600)
@@ -52,8 +53,15 @@ class ResourceReading:
 
 
 def record_resources(*, node: str, readings: list[ResourceReading], at: float | None = None) -> int:
-    """Store one 10 s sample per reading (a second sample in the same slot replaces the first)."""
+    """Store one 10 s sample per reading (a second sample in the same slot replaces the first),
+    and with GPUs the node's summary row (memory summed, utilization averaged)."""
     slot = int((at if at is not None else time.time()) // FINE * FINE)
+    gpus = [r for r in readings if r.gpu >= 0]
+    if gpus:
+        utils = [r.util_pct for r in gpus if r.util_pct is not None]
+        readings = [*readings, ResourceReading(
+            gpu=ALL_GPUS, mem_used_mib=sum(r.mem_used_mib for r in gpus), mem_total_mib=sum(r.mem_total_mib for r in gpus),
+            mem_alloc_mib=sum(r.mem_alloc_mib for r in gpus), util_pct=sum(utils) / len(utils) if utils else None)]
     with transaction.atomic():
         ResourceSample.objects.filter(step=FINE, at=slot, node=node).delete()
         ResourceSample.objects.bulk_create([
@@ -245,9 +253,10 @@ class ResourceSeries:
     mem_total_mib: int = 0
 
 
-def resource_series(rng: Range, *, node: str | None = None, now: float | None = None
+def resource_series(rng: Range, *, node: str | None = None, per_gpu: bool = False, now: float | None = None
                     ) -> tuple[list[int], dict[tuple[str, int], ResourceSeries]]:
-    """Slot start times and every node's and GPU's series over `rng` (one query)."""
+    """Slot start times and series over `rng` (one query), of every node or of one: the host and
+    all-GPUs rows (the dashboard's view), or with `per_gpu` the host and each GPU's rows."""
     now = time.time() if now is None else now
     start, count, windows = _windows(ResourceSample, rng, now)
     times = [start + i * rng.bucket_s for i in range(count)]
@@ -259,9 +268,11 @@ def resource_series(rng: Range, *, node: str | None = None, now: float | None = 
     params: list = []
     for w in windows:
         params.extend(w)
-    node_sql = ""
+    node_sql = " AND gpu <> %s" if per_gpu else " AND gpu < 0"
+    if per_gpu:
+        params.append(ALL_GPUS)
     if node is not None:
-        node_sql = " AND node = %s"
+        node_sql += " AND node = %s"
         params.append(node)
     sql = (f"SELECT node, gpu, (at / {b}) * {b}, SUM(mem_used_mib * step) * 1.0 / SUM(step), "
            f"SUM(mem_alloc_mib * step) * 1.0 / SUM(step), "
@@ -311,13 +322,15 @@ def model_series(rng: Range, *, now: float | None = None) -> tuple[list[int], di
     out: dict[str, ModelSeries] = {}
     if not windows:
         return times, out
-    from django.db.models import Q
-
-    q = Q()
-    for step, lo, hi in windows:
-        q |= Q(step=step, at__gte=lo, at__lt=hi)
-    fields = ("model", "at", "requests", "errors", "prompt_tokens", "completion_tokens", "latency_hist", "ttft_hist")
-    for model, at, req, err, pt, ct, lh, th in ModelSample.objects.filter(q).values_list(*fields):
+    table = ModelSample._meta.db_table
+    where = " OR ".join("(step = %s AND at >= %s AND at < %s)" for _ in windows)
+    params = [v for w in windows for v in w]
+    with connection.cursor() as cur:  # raw: Django's JSON field decoding is most of the time otherwise
+        cur.execute(f"SELECT model, at, requests, errors, prompt_tokens, completion_tokens, latency_hist, ttft_hist "
+                    f"FROM {table} WHERE {where}", params)
+        rows = cur.fetchall()
+    loads = json.loads
+    for model, at, req, err, pt, ct, lh, th in rows:
         i = (at - start) // rng.bucket_s
         if not 0 <= i < count:
             continue
@@ -327,9 +340,10 @@ def model_series(rng: Range, *, now: float | None = None) -> tuple[list[int], di
         slot = s.slots[i]
         if slot is None:
             slot = s.slots[i] = ModelSlot()
-        slot.add(ModelSlot(req, err, pt, ct, lh or [], th or []))
+        slot.add(ModelSlot(req, err, pt, ct, loads(lh) if isinstance(lh, str) else lh or [],
+                           loads(th) if isinstance(th, str) else th or []))
     return times, out
 
 
-__all__ = ["HOST_GPU", "RANGES", "DEFAULT_RANGE", "Range", "ResourceReading", "record_resources", "ModelCounter",
+__all__ = ["ALL_GPUS", "HOST_GPU", "RANGES", "DEFAULT_RANGE", "Range", "ResourceReading", "record_resources", "ModelCounter",
            "write_model_slots", "downsample", "resource_series", "model_series", "percentile", "dashboard_group"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from history.models import HOST_GPU, ModelSample, ResourceSample
+from history.models import ALL_GPUS, HOST_GPU, ModelSample, ResourceSample
 from history.samples import (
     LATENCY_BOUNDS_MS,
     RANGES,
@@ -33,7 +33,8 @@ def test_a_slot_holds_one_sample_per_gpu():
     _sample(T0 + 3, 100, 10.0)
     _sample(T0 + 7, 200, 30.0)  # same 10 s slot: replaces
     rows = ResourceSample.objects.filter(step=10).order_by("gpu")
-    assert [(r.at, r.gpu, r.mem_used_mib) for r in rows] == [(T0, -1, 1000), (T0, 0, 200)]
+    # the node's GPUs together (-2), its host row (-1), and GPU 0
+    assert [(r.at, r.gpu, r.mem_used_mib) for r in rows] == [(T0, -2, 200), (T0, -1, 1000), (T0, 0, 200)]
 
 
 def test_rollup_averages_finished_windows_and_is_idempotent():
@@ -44,7 +45,7 @@ def test_rollup_averages_finished_windows_and_is_idempotent():
     five = ResourceSample.objects.filter(step=300, gpu=0).order_by("at")
     assert [(r.at, r.mem_used_mib, r.util_pct, r.mem_alloc_mib) for r in five] == [
         (T0, 114, 50.0, 5000), (T0 + 300, 144, None, 5000)]
-    assert first["rolled"] == 4 and again["rolled"] == 0  # two windows x (host + gpu0)
+    assert first["rolled"] == 6 and again["rolled"] == 0  # two windows x (all GPUs, host, gpu0)
 
 
 def test_each_resolution_is_pruned_past_its_retention():
@@ -63,7 +64,9 @@ def test_a_read_joins_coarse_rows_with_the_newest_fine_ones():
     for i in range(0, 3600 * 3, 10):
         _sample(T0 + i, 1000, 40.0)
     downsample(now=T0 + 3600 * 2 + 5)  # rolled up to T0+2h; the last hour stays in 10 s rows only
-    times, series = resource_series(RANGES["24h"], now=T0 + 3600 * 3 - 1)
+    times, series = resource_series(RANGES["24h"], node="n1", per_gpu=True, now=T0 + 3600 * 3 - 1)
+    assert ("n1", ALL_GPUS) not in series
+    assert set(resource_series(RANGES["24h"], now=T0 + 3600 * 3 - 1)[1]) == {("n1", ALL_GPUS), ("n1", HOST_GPU)}
     gpu = series[("n1", 0)]
     filled = [i for i, v in enumerate(gpu.mem_used_mib) if v is not None]
     assert len(filled) == 18 and all(v == 1000 for v in gpu.mem_used_mib if v is not None)  # 3 h of 10 min slots

@@ -58,8 +58,12 @@ def test_gpu_node_charts_have_units_current_values_and_hover(as_viewer, gpu_node
     html = as_viewer.get("/").content.decode()
     assert f'id="chart-{gpu_node.pk}-1h-mem"' in html and f'id="chart-{gpu_node.pk}-1h-util"' in html
     assert "GPU memory used (GiB)" in html and ">100 %</text>" in html  # the utilization axis, in %
-    assert "booked (all GPUs)" in html and '<b class="current">8 GiB</b>' in html
-    assert "<title>" in html and "gpu0: 0.53 GiB" in html  # hover: every GPU's value at that time
+    assert "booked by instances" in html and '<b class="current">8 GiB</b>' in html
+    assert "<title>" in html and "used: 1.06 GiB" in html and "GPUs (mean of 2): " in html  # hover values
+    # The node page: per GPU.
+    page = as_viewer.get("/nodes/gpu-a/?range=24h").content.decode()
+    assert "Memory per GPU (GiB)" in page and "gpu0 used" in page and "gpu1 booked" in page
+    assert '<b class="current">8 GiB</b>' in page and 'aria-current="true">last 24h' in page
     assert '<span class="state state-READY">ready</span> <b>1</b>' in html
     assert "warm-up answered" in html and f'href="/instances/{inst.pk}/"' in html
     assert "No GPU on this node" not in html
