@@ -77,11 +77,11 @@ def _bucket(ms: float) -> int:
 
 
 def _add_hist(into: list[int], other: list[int]) -> list[int]:
-    if len(into) < len(other):
-        into = into + [0] * (len(other) - len(into))
-    for i, c in enumerate(other):
-        into[i] += c
-    return into
+    """The bucket-wise sum (a new list; histograms of other lengths are padded)."""
+    if len(into) == len(other):
+        return [a + b for a, b in zip(into, other, strict=True)]
+    n = max(len(into), len(other))
+    return [a + b for a, b in zip(into + [0] * (n - len(into)), other + [0] * (n - len(other)), strict=True)]
 
 
 @dataclass
@@ -337,11 +337,18 @@ def model_series(rng: Range, *, now: float | None = None) -> tuple[list[int], di
         s = out.get(model)
         if s is None:
             s = out[model] = ModelSeries(model, [None] * count)
+        lh = loads(lh) if isinstance(lh, str) else lh or []
+        th = loads(th) if isinstance(th, str) else th or []
         slot = s.slots[i]
         if slot is None:
-            slot = s.slots[i] = ModelSlot()
-        slot.add(ModelSlot(req, err, pt, ct, loads(lh) if isinstance(lh, str) else lh or [],
-                           loads(th) if isinstance(th, str) else th or []))
+            s.slots[i] = ModelSlot(req, err, pt, ct, lh, th)
+            continue
+        slot.requests += req
+        slot.errors += err
+        slot.prompt_tokens += pt
+        slot.completion_tokens += ct
+        slot.latency_hist = _add_hist(slot.latency_hist, lh)
+        slot.ttft_hist = _add_hist(slot.ttft_hist, th)
     return times, out
 
 
