@@ -15,6 +15,7 @@ from live.publish import publish, publish_sync
 from serving.models import ACTIVE_STATES, InstanceEvent, InstanceState, ModelInstance
 
 RECENT_EVENTS = 12
+ACTIVE_SHOWN = 12  # the newest changes; the instances page lists them all
 STATES_ID = "dash-states"
 MODELS_ID = "dash-models"
 
@@ -52,13 +53,15 @@ def model_charts(rng: Range, *, now: float | None = None) -> list[tuple[str, obj
 def states_context() -> dict:
     """Counts of instances by state, the active ones, and the latest events."""
     counts = Counter(ModelInstance.objects.values_list("state", flat=True))
-    active = list(ModelInstance.objects.filter(state__in=ACTIVE_STATES).select_related("node")
-                  .only("id", "model_name", "state", "node__name", "last_error")[:200])
+    active_qs = ModelInstance.objects.filter(state__in=ACTIVE_STATES)
+    active = list(active_qs.select_related("node").only("id", "model_name", "state", "node__name")
+                  .order_by("-updated_at")[:ACTIVE_SHOWN])
     events = list(InstanceEvent.objects.select_related("instance").only(
         "at", "from_state", "to_state", "message", "instance__id", "instance__model_name")
         .order_by("-at", "-pk")[:RECENT_EVENTS])
     return {"state_counts": [(s, counts.get(s, 0)) for s in InstanceState.values], "active": active,
-            "events": events, "total": sum(counts.values())}
+            "events": events, "total": sum(counts.values()),
+            "active_more": max(0, sum(counts.get(st, 0) for st in ACTIVE_STATES) - len(active))}
 
 
 def dashboard_context(rng: Range) -> dict:

@@ -69,8 +69,8 @@ def test_a_read_joins_coarse_rows_with_the_newest_fine_ones():
     assert set(resource_series(RANGES["24h"], now=T0 + 3600 * 3 - 1)[1]) == {("n1", ALL_GPUS), ("n1", HOST_GPU)}
     gpu = series[("n1", 0)]
     filled = [i for i, v in enumerate(gpu.mem_used_mib) if v is not None]
-    assert len(filled) == 18 and all(v == 1000 for v in gpu.mem_used_mib if v is not None)  # 3 h of 10 min slots
-    assert times[filled[-1]] == T0 + 3600 * 3 - 600 and gpu.mem_total_mib == 80000
+    assert len(filled) == 12 and all(v == 1000 for v in gpu.mem_used_mib if v is not None)  # 3 h of 15 min slots
+    assert times[filled[-1]] == T0 + 3600 * 3 - 900 and gpu.mem_total_mib == 80000
     assert series[("n1", HOST_GPU)].util_pct[filled[0]] == 20.0
 
 
