@@ -34,7 +34,7 @@ def top_series(series: dict[str, list[float]], keep: int = MAX_SERIES) -> dict[s
 
 
 def stacked_bars(*, labels: list[str], series: dict[str, list[float]], unit: str = "", chart_id: str = "",
-                 width: int = 760, height: int = 190) -> SafeString:
+                 label: str = "", width: int = 760, height: int = 190) -> SafeString:
     """An SVG of one bar per label, stacked by series. Empty data draws an empty frame with a note."""
     series = top_series(series)
     left, right, top, bottom = 48, 8, 10, 22
@@ -45,6 +45,7 @@ def stacked_bars(*, labels: list[str], series: dict[str, list[float]], unit: str
     slot = plot_w / n
     bar = max(1.0, slot * 0.8)
     parts = [f'<svg class="chart" id="{escape(chart_id)}" viewBox="0 0 {width} {height}" role="img" '
+             f'aria-label="{escape(label or "bar chart")}{f", {unit}" if unit else ""}" '
              f'preserveAspectRatio="none" xmlns="http://www.w3.org/2000/svg">']
     parts.append(f'<line x1="{left}" y1="{top + plot_h}" x2="{width - right}" y2="{top + plot_h}" stroke="#dfe3e8"/>')
     for frac in (0.5, 1.0):

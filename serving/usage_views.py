@@ -90,18 +90,18 @@ def usage_page(request: HttpRequest) -> HttpResponse:
                                              else (w or "(no user)"))
             gpu_series[label][i] += gs
     charts = [
-        ("Requests per model", stacked_bars(labels=labels, series=_series(by_model, lambda r: r["model"],
+        ("Requests per model", stacked_bars(label="Requests per model", labels=labels, series=_series(by_model, lambda r: r["model"],
                                                                           lambda r: r["requests"], index, len(axis)),
                                             unit="requests", chart_id="chart-requests-model")),
-        ("Tokens per model", stacked_bars(labels=labels, series=_series(by_model, lambda r: r["model"], tokens, index,
+        ("Tokens per model", stacked_bars(label="Tokens per model", labels=labels, series=_series(by_model, lambda r: r["model"], tokens, index,
                                                                         len(axis)),
                                           unit="tokens", chart_id="chart-tokens-model")),
-        (f"Requests per {group}", stacked_bars(labels=labels, series=_series(by_who, who, lambda r: r["requests"],
+        (f"Requests per {group}", stacked_bars(label=f"Requests per {group}", labels=labels, series=_series(by_who, who, lambda r: r["requests"],
                                                                              index, len(axis)),
                                                unit="requests", chart_id="chart-requests-who")),
-        (f"Tokens per {group}", stacked_bars(labels=labels, series=_series(by_who, who, tokens, index, len(axis)),
+        (f"Tokens per {group}", stacked_bars(label=f"Tokens per {group}", labels=labels, series=_series(by_who, who, tokens, index, len(axis)),
                                              unit="tokens", chart_id="chart-tokens-who")),
-        (f"GPU-seconds per {group} (grey: idle)", stacked_bars(labels=labels, series=dict(gpu_series),
+        (f"GPU-seconds per {group} (grey: idle)", stacked_bars(label=f"GPU-seconds per {group} (grey: idle)", labels=labels, series=dict(gpu_series),
                                                                unit="GPU-s", chart_id="chart-gpu-who")),
     ]
     totals: dict[str, dict] = {}

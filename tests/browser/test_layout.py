@@ -1,4 +1,6 @@
-"""Every main page fits the window (1280 px and 390 px wide) and loads no missing resource.
+"""Every page fits the window (1280 px and 390 px wide), loads no missing resource, has no serious or
+critical accessibility violation (axe-core, tests/browser/axe.py), and is screenshotted at both
+widths into the test's temp dir (screenshots/<width>/<page>.png) for a person to look at.
 
 An instance with proxy usage makes the widest table there is (the instance page's Usage card)."""
 from __future__ import annotations
@@ -9,6 +11,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from tests.browser.axe import axe_source, serious_violations
 from tests.browser.conftest import login
 from tests.conftest import Console, start_console
 from tests.procs import stop_process
@@ -48,30 +51,58 @@ def served_console(tmp_path_factory) -> Iterator[tuple[Console, int]]:
         assert code == 0, f"console exited with {code}:\n{c.log[-3000:]}"
 
 
-PAGES = ["/", "/gpus/", "/models/", "/downloads/", "/models/upload/", "/instances/", "/instances/{pk}/",
-         "/users/", "/keys/", "/nodes/test-node/"]
+# Every page a person opens (the action routes are POST-only); {pk}: the demo instance.
+PAGES = ["/", "/?range=24h", "/?range=7d", "/gpus/", "/nodes/test-node/", "/nodes/test-node/cache/", "/models/",
+         "/models/upload/", "/downloads/", "/instances/", "/instances/new/", "/instances/{pk}/", "/usage/",
+         "/requests/", "/keys/", "/keys/{key}/", "/users/", "/users/{user}/", "/audit/"]
+
+
+def _name(path: str) -> str:
+    return path.strip("/").replace("/", "_").replace("?range=", "range-") or "dashboard"
 
 
 @pytest.mark.parametrize("width", [1280, 390])
-def test_no_page_is_wider_than_the_window_or_misses_a_resource(served_console, playwright_browser, width):
+def test_every_page_fits_is_accessible_and_is_screenshotted(served_console, playwright_browser, width,
+                                                            tmp_path_factory):
     console, pk = served_console
+    axe = axe_source()
+    shots = tmp_path_factory.getbasetemp() / "screenshots" / str(width)
+    shots.mkdir(parents=True, exist_ok=True)
     context = playwright_browser.new_context(viewport={"width": width, "height": 900})
     context.set_default_timeout(20_000)
     page = context.new_page()
     missing: list[str] = []
     page.on("response", lambda r: missing.append(f"{r.status} {r.url}") if r.status == 404 else None)
+    violations: list[str] = []
     try:
+        page.goto(f"{console.url}/accounts/login/")
+        page.screenshot(path=str(shots / "login.png"), full_page=True)
+        violations += [f"/accounts/login/: {v}" for v in serious_violations(page, axe)]
         login(page, console.url, console.admin_user, console.admin_password)
         page.wait_for_url(lambda url: "/accounts/login/" not in url)
+        ids = page.evaluate("""async () => {
+            const keys = await (await fetch('/api/keys')).json();
+            return {key: (keys.items || keys)[0]?.id};
+        }""")
+        user = console.manage("shell", "-c", "from accounts.models import User; "
+                              "print(User.objects.get(username='admin').pk)").stdout.strip().splitlines()[-1]
         for path in PAGES:
-            url = console.url + path.format(pk=pk)
-            page.goto(url)
+            url = console.url + path.format(pk=pk, key=ids.get("key"), user=user)
+            response = page.goto(url)
+            assert response is not None and response.status == 200, (path, response and response.status)
             page.wait_for_load_state("networkidle")
             if path == "/instances/{pk}/":
                 assert page.locator("#usage .table-scroll table").count() == 1, "no usage row to measure"
             wide = page.evaluate("() => [document.documentElement.scrollWidth, window.innerWidth]")
-            assert wide[0] <= wide[1], f"{path} at {width} px: document {wide[0]} px wide"
+            if wide[0] > wide[1]:  # name the elements that stick out, for whoever fixes it
+                culprits = page.evaluate("""() => [...document.querySelectorAll('body *')]
+                    .filter(e => e.getBoundingClientRect().right > window.innerWidth + 1)
+                    .slice(-5).map(e => e.tagName + '.' + e.className + ' ' + Math.round(e.getBoundingClientRect().right))""")
+                pytest.fail(f"{path} at {width} px: document {wide[0]} px wide; sticking out: {culprits}")
+            page.screenshot(path=str(shots / f"{_name(path)}.png"), full_page=True)
+            violations += [f"{path}: {v}" for v in serious_violations(page, axe)]
         assert not missing, missing
+        assert not violations, "\n".join(violations)
     finally:
         context.close()
 
