@@ -69,6 +69,7 @@ class InventoryWorker:
         log.info("hardware on %s: detector %s, %d GPU(s), backends %s", agent.name, result.report.detector,
                  len(result.report.gpus), [b["name"] for b in result.backends or [] if b["available"]])
         await publish_gpus()
+        await self.sample(agent)
 
     async def run(self, agent: Any) -> None:
         """Refresh every HARDWARE_REFRESH_S until cancelled."""

@@ -103,14 +103,14 @@ def _value(value: float | None, unit: str) -> str:
 
 def line_chart(*, times: list[int], series: dict[str, list[float | None]], unit: str, chart_id: str,
                label: str, step_s: int, y_max: float | None = None, empty: str = "no data in this range",
-               width: int = 560, height: int = 150) -> SafeString:
+               width: int = 420, height: int = 160) -> SafeString:
     """An SVG of one line per series over `times` (epoch seconds, one slot each; None = no sample).
 
     The y axis is labelled in `unit` (fixed to `y_max` for percentages), the x axis in local
     clock time; each slot has a hover column whose <title> lists every series' value there, and
     the legend shows the newest value of each series.
     """
-    left, right, top, bottom = 52, 8, 8, 20
+    left, right, top, bottom = 58, 8, 8, 22
     plot_w, plot_h = width - left - right, height - top - bottom
     n = max(1, len(times))
     values = [v for vs in series.values() for v in vs if v is not None]
@@ -121,14 +121,14 @@ def line_chart(*, times: list[int], series: dict[str, list[float | None]], unit:
     for frac in (0.0, 0.5, 1.0):
         y = top + plot_h * (1 - frac)
         parts.append(f'<line x1="{left}" y1="{y:.1f}" x2="{width - right}" y2="{y:.1f}" stroke="#e6e9ee"/>'
-                     f'<text x="{left - 4}" y="{y + 3.5:.1f}" text-anchor="end" font-size="10" fill="#5b6675">'
+                     f'<text x="{left - 4}" y="{y + 3.5:.1f}" text-anchor="end" font-size="11" fill="#5b6675">'
                      f'{escape(_value(top_value * frac, unit))}</text>')
     clock = "%H:%M" if step_s < 3600 else "%a %H:%M"
     if times:
         for i in sorted({0, n // 2, n - 1}):
             anchor = "start" if i == 0 else "end" if i == n - 1 else "middle"
             x = left + i * slot + (slot / 2 if 0 < i < n - 1 else 0 if i == 0 else slot)
-            parts.append(f'<text x="{x:.1f}" y="{height - 5}" text-anchor="{anchor}" font-size="10" fill="#5b6675">'
+            parts.append(f'<text x="{x:.1f}" y="{height - 6}" text-anchor="{anchor}" font-size="11" fill="#5b6675">'
                          f'{time.strftime(clock, time.gmtime(times[i]))}</text>')
     colours = {name: PALETTE[i % len(PALETTE)] for i, name in enumerate(series)}
     scale = plot_h / top_value if top_value else 0.0

@@ -110,12 +110,15 @@ async def test_the_newest_point_arrives_over_the_websocket(viewer):
     assert connected
     await Node.objects.acreate(name="cpu-node", address="127.0.0.1")
     worker, agent = InventoryWorker(), NodeAgent(name="cpu-node", address="127.0.0.1", workers=[])
-    await worker.start(agent)
-    await worker.refresh(agent)  # the refresh is the 10 s sample: stored, then pushed
+    await worker.start(agent)  # the inventory at start is the first sample: stored, then pushed
     node = await Node.objects.aget(name="cpu-node")
     html = await comm.receive_from(timeout=10)
-    assert f'id="dash-node-{node.pk}" hx-swap-oob="true"' in html and "RAM used" in html
-    assert "no data in this range" not in html  # the sample is on the chart
+    assert f'id="dash-node-{node.pk}" hx-swap-oob="true"' in html
+    assert 'RAM used <b class="current">–' not in html  # the sample is on the chart
+    await worker.refresh(agent)  # each refresh (every 10 s) is the next; CPU % needs two readings
+    html = await comm.receive_from(timeout=10)
+    assert f'id="dash-node-{node.pk}" hx-swap-oob="true"' in html
+    assert 'CPU <b class="current">–' not in html and "no data in this range" not in html
 
     inst = await ModelInstance.objects.acreate(model_name="tiny", model_path="gguf/t", backend="llama-server",
                                                node=node, state=InstanceState.PENDING)
