@@ -32,6 +32,7 @@ from accounts.models import ApiKey, User  # noqa: E402
 from hardware.dashboard import record_node_sample  # noqa: E402
 from hardware.models import Node  # noqa: E402
 from hardware.services import save_inventory  # noqa: E402
+from history.samples import downsample  # noqa: E402
 from serving.models import InstanceEvent, InstanceState, ModelInstance  # noqa: E402
 from tests.hardware.conftest import gpu_inventory  # noqa: E402
 
@@ -88,9 +89,10 @@ def fill() -> None:
     events = [InstanceEvent(instance=instances[rng.randrange(len(instances))], at=start + timedelta(seconds=60 * k),
                             from_state="LOADING", to_state="READY", message=f"event {k}") for k in range(10_000)]
     InstanceEvent.objects.bulk_create(events, batch_size=2000)
-    for node in nodes:  # an hour of the dashboard's 10 s samples
+    for node in nodes:  # an hour of the dashboard's 10 s samples, rolled up as the agents' job does
         for k in range(360):
             record_node_sample(node.name, at=now - 3600 + k * 10)
+    downsample(now=now)
 
 
 def main() -> None:

@@ -20,6 +20,7 @@ have cmake || pkgs+=(cmake)
 have git || pkgs+=(git)
 if [ "$mode" = test ]; then
   have chromium || pkgs+=(chromium)
+  have npm || pkgs+=(npm)  # axe-core for the browser tests' accessibility check (never shipped)
   have pg_ctlcluster || pkgs+=(postgresql)
   have redis-server || pkgs+=(redis-server)
 fi
@@ -85,6 +86,16 @@ if [ "$mode" = run ]; then
   .venv/bin/python manage.py migrate -v0
   .venv/bin/python manage.py ensureadmin
   exec .venv/bin/python manage.py serve --host "${XGEN_HOST:-127.0.0.1}" --port "${XGEN_PORT:-8000}"
+fi
+
+# Tests: axe-core from the npm registry into a cache outside the repository (tests/browser/axe.py
+# reads it from there; the product never serves it).
+axe_dir="${XGEN_AXE_DIR:-$HOME/.cache/xgen/axe}"
+axe_version=$(.venv/bin/python -c "import re; print(re.search(r'AXE_VERSION = \"([^\"]+)', open('tests/browser/axe.py').read())[1])")
+if [ ! -f "$axe_dir/node_modules/axe-core/axe.min.js" ]; then
+  mkdir -p "$axe_dir"
+  npm install --prefix "$axe_dir" --no-audit --no-fund --no-save "axe-core@$axe_version" 2>&1 | quiet \
+    || echo "could not install axe-core@$axe_version into $axe_dir: the browser tests will say so" >&2
 fi
 
 # Tests: services for cluster-mode tests (already running on most of our machines).

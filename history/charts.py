@@ -4,6 +4,7 @@ SVG <title>s, axes with units, a legend with each series' current value, and an 
 from __future__ import annotations
 
 import time
+from functools import lru_cache
 
 from django.utils.html import escape
 from django.utils.safestring import SafeString, mark_safe
@@ -101,6 +102,12 @@ def _value(value: float | None, unit: str) -> str:
     return f"{_short(value)} {unit}".rstrip()
 
 
+@lru_cache(maxsize=16)
+def _stamps(times: tuple[int, ...]) -> tuple[str, ...]:
+    """Hover time labels; every chart of a page shares one time axis, so they are made once."""
+    return tuple(time.strftime("%Y-%m-%d %H:%M", time.gmtime(at)) for at in times)
+
+
 def line_chart(*, times: list[int], series: dict[str, list[float | None]], unit: str, chart_id: str,
                label: str, step_s: int, y_max: float | None = None, empty: str = "no data in this range",
                width: int = 420, height: int = 160) -> SafeString:
@@ -150,12 +157,12 @@ def line_chart(*, times: list[int], series: dict[str, list[float | None]], unit:
     if values:
         names = [(escape(n), vs) for n, vs in series.items()]
         suffix = f" {escape(unit)}" if unit else ""
-        for i, at in enumerate(times):
+        stamps = _stamps(tuple(times))
+        for i, stamp in enumerate(stamps):
             shown = [f"{n}: {_short(vs[i])}{suffix}" for n, vs in names if vs[i] is not None]
             if shown:
                 parts.append(f'<rect class="hover" x="{left + i * slot:.1f}" y="{top}" width="{slot:.2f}" '
-                             f'height="{plot_h}" fill="transparent"><title>'
-                             f'{time.strftime("%Y-%m-%d %H:%M", time.gmtime(at))} UTC · {" · ".join(shown)}'
+                             f'height="{plot_h}" fill="transparent"><title>{stamp} UTC · {" · ".join(shown)}'
                              f'</title></rect>')
     else:
         parts.append(f'<text x="{left + plot_w / 2}" y="{top + plot_h / 2}" text-anchor="middle" font-size="12" '

@@ -45,13 +45,14 @@ def test_rollup_averages_finished_windows_and_is_idempotent():
     five = ResourceSample.objects.filter(step=300, gpu=0).order_by("at")
     assert [(r.at, r.mem_used_mib, r.util_pct, r.mem_alloc_mib) for r in five] == [
         (T0, 114, 50.0, 5000), (T0 + 300, 144, None, 5000)]
-    assert first["rolled"] == 6 and again["rolled"] == 0  # two windows x (all GPUs, host, gpu0)
+    # (ten 1 min + two 5 min windows) x (all GPUs, host, gpu0)
+    assert first["rolled"] == 36 and again["rolled"] == 0
 
 
 def test_each_resolution_is_pruned_past_its_retention():
     _sample(T0, 100, 1.0)
     downsample(now=T0 + 3600 * 2)
-    assert set(ResourceSample.objects.values_list("step", flat=True)) == {10, 300, 3600}
+    assert set(ResourceSample.objects.values_list("step", flat=True)) == {10, 60, 300, 3600}
     downsample(now=T0 + RETENTION_S[10] + 3600)
     assert set(ResourceSample.objects.values_list("step", flat=True)) == {300, 3600}
     downsample(now=T0 + RETENTION_S[300] + 3600)
