@@ -52,8 +52,10 @@ def test_rollup_averages_finished_windows_and_is_idempotent():
 def test_each_resolution_is_pruned_past_its_retention():
     _sample(T0, 100, 1.0)
     downsample(now=T0 + 3600 * 2)
-    assert set(ResourceSample.objects.values_list("step", flat=True)) == {10, 60, 300, 3600}
+    assert set(ResourceSample.objects.values_list("step", flat=True)) == {10, 60, 300, 900, 3600}
     downsample(now=T0 + RETENTION_S[10] + 3600)
+    assert set(ResourceSample.objects.values_list("step", flat=True)) == {300, 900, 3600}
+    downsample(now=T0 + RETENTION_S[900] + 3600)
     assert set(ResourceSample.objects.values_list("step", flat=True)) == {300, 3600}
     downsample(now=T0 + RETENTION_S[300] + 3600)
     assert set(ResourceSample.objects.values_list("step", flat=True)) == {3600}
