@@ -117,7 +117,7 @@ def line_chart(*, times: list[int], series: dict[str, list[float | None]], unit:
     clock time; each slot has a hover column whose <title> lists every series' value there, and
     the legend shows the newest value of each series.
     """
-    left, right, top, bottom = 58, 8, 8, 22
+    left, right, top, bottom = 62, 8, 10, 22
     plot_w, plot_h = width - left - right, height - top - bottom
     n = max(1, len(times))
     values = [v for vs in series.values() for v in vs if v is not None]
@@ -125,11 +125,12 @@ def line_chart(*, times: list[int], series: dict[str, list[float | None]], unit:
     slot = plot_w / n
     parts = [f'<svg class="chart line-chart" id="{escape(chart_id)}" viewBox="0 0 {width} {height}" role="img" '
              f'aria-label="{escape(label)}" xmlns="http://www.w3.org/2000/svg">']
-    for frac in (0.0, 0.5, 1.0):
+    for frac in (0.0, 0.5, 1.0):  # the unit on the top tick only: short labels fit the margin
         y = top + plot_h * (1 - frac)
+        tick = _value(top_value, unit) if frac == 1.0 else _short(top_value * frac)
         parts.append(f'<line x1="{left}" y1="{y:.1f}" x2="{width - right}" y2="{y:.1f}" stroke="#e6e9ee"/>'
                      f'<text x="{left - 4}" y="{y + 3.5:.1f}" text-anchor="end" font-size="11" fill="#5b6675">'
-                     f'{escape(_value(top_value * frac, unit))}</text>')
+                     f'{escape(tick)}</text>')
     clock = "%H:%M" if step_s < 3600 else "%a %H:%M"
     if times:
         for i in sorted({0, n // 2, n - 1}):
