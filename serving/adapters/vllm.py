@@ -20,6 +20,11 @@ from serving.adapters.base import (
 # vLLM's docs: through 0.10.0 embeddings use `--task embed` (rerankers `--task score`); from 0.10.1
 # `--runner pooling --convert embed` (a cross-encoder: `--runner pooling`, its classification head is found).
 POOLING_RUNNER_SINCE = (0, 10, 1)
+# Held against vLLM itself (tests/serving/test_vllm_help.py, recordings of 0.15.1, 0.17.0, 0.33.0;
+# the boundaries read from the 0.16.0, 0.17.1 and 0.18.0 wheels): `--convert reward` went in 0.16.0,
+# `--swap-space` in 0.18.0.
+CONVERT_REWARD_UNTIL = (0, 16, 0)
+SWAP_SPACE_UNTIL = (0, 18, 0)
 RESPONSES_SINCE = (0, 10, 0)
 MESSAGES_SINCE = (0, 12, 0)
 
@@ -33,7 +38,6 @@ COMMON_FLAGS = {
     "--trust-remote-code": BOOL,  # only with XGEN_ALLOW_TRUST_REMOTE_CODE=true (see _check_value)
     "--quantization": STR,
     "--kv-cache-dtype": STR,
-    "--swap-space": FLOAT,
     "--block-size": INT,
     "--seed": INT,
     "--enable-prefix-caching": BOOL,
@@ -75,9 +79,13 @@ class VllmServer(BackendAdapter):
 
     def allowed_flags(self, version: str) -> dict[str, str]:
         flags = dict(COMMON_FLAGS)
+        parsed = parse_version(version)
+        if parsed and parsed < SWAP_SPACE_UNTIL:  # an unknown version is taken as a current one
+            flags["--swap-space"] = FLOAT
         if uses_pooling_runner(version):
             flags["--runner"] = "choice:auto|generate|pooling"
-            flags["--convert"] = "choice:auto|embed|classify|reward"
+            flags["--convert"] = "choice:auto|none|embed|classify" + (
+                "|reward" if parsed and parsed < CONVERT_REWARD_UNTIL else "")
         else:
             flags["--task"] = "choice:auto|generate|embed|classify|score|reward"
         return flags
