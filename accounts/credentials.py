@@ -33,7 +33,7 @@ from django.contrib.auth.signals import user_logged_out
 from accounts.errors import ErrorAnswer
 from accounts.models import ROLE_RANK, ApiKey, Role, hash_key
 from live.db import db_async, run_db
-from live.groups import GroupListener
+from live.groups import GroupListener, send, send_sync
 
 log = logging.getLogger("xgen.accounts")
 
@@ -250,29 +250,14 @@ def notify_changed(scope: str = "keys", credential: str | None = None) -> None:
     forgets just that key. Never raises: a lost push is caught by the other processes' TTL.
     """
     _apply_change(scope, credential)
-    from asgiref.sync import async_to_sync
-    from channels.layers import get_channel_layer
 
-    layer = get_channel_layer()
-    if layer is None:
-        return
     message = {"type": "credentials.changed", "scope": scope, "credential": credential, "origin": _ORIGIN}
     try:
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            async_to_sync(layer.group_send)(CREDENTIALS_GROUP, message)
-        else:  # called on an event loop thread: send without blocking it
-            asyncio.get_running_loop().create_task(_send_quietly(layer, message))
-    except Exception as exc:
-        log.warning("could not push a credentials change to other processes: %s", exc)
-
-
-async def _send_quietly(layer, message: dict) -> None:
-    try:
-        await layer.group_send(CREDENTIALS_GROUP, message)
-    except Exception as exc:
-        log.warning("could not push a credentials change to other processes: %s", exc)
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        send_sync(CREDENTIALS_GROUP, message)  # bounded; the other processes' TTL catches a lost one
+    else:  # called on an event loop thread: send without blocking it
+        loop.create_task(send(CREDENTIALS_GROUP, message))
 
 
 def _apply_change(scope: str, credential: str | None) -> None:

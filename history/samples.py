@@ -292,9 +292,14 @@ def resource_series(rng: Range, *, node: str | None = None, per_gpu: bool = Fals
         s = out.get((n, gpu))
         if s is None:
             s = out[(n, gpu)] = ResourceSeries(n, gpu, [None] * count, [None] * count, [None] * count)
-        s.mem_used_mib[i], s.mem_alloc_mib[i], s.util_pct[i] = used, alloc, util
-        s.mem_total_mib = max(s.mem_total_mib, total or 0)
+        # PostgreSQL answers these averages as numeric (Decimal): floats for the charts.
+        s.mem_used_mib[i], s.mem_alloc_mib[i], s.util_pct[i] = _float(used), _float(alloc), _float(util)
+        s.mem_total_mib = max(s.mem_total_mib, int(total or 0))
     return times, out
+
+
+def _float(value) -> float | None:
+    return None if value is None else float(value)
 
 
 def percentile(hist: list[int], q: float) -> float | None:

@@ -11,6 +11,34 @@ import time
 log = logging.getLogger("xgen.live.groups")
 
 LAYER_TIMEOUT_S = 5.0  # a layer call that hangs (Redis restarting) must not stall its caller's loop
+SEND_TIMEOUT_S = 2.0  # a message is a hint (every receiver also polls): never wait long to send one
+
+
+async def send(group: str, message: dict) -> bool:
+    """Send to every member of `group`, at most SEND_TIMEOUT_S: a channel layer that hangs (Redis
+    busy or restarting) must never hold up a state change, a page or a request. False when the
+    message could not be sent (logged); the receivers' own refresh catches up."""
+    from channels.layers import get_channel_layer
+
+    layer = get_channel_layer()
+    if layer is None:
+        return False
+    try:
+        async with asyncio.timeout(SEND_TIMEOUT_S):
+            await layer.group_send(group, message)
+        return True
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # TimeoutError included
+        log.warning("sending %s to %s failed: %s", message.get("type"), group, exc.__class__.__name__ or exc)
+        return False
+
+
+def send_sync(group: str, message: dict) -> bool:
+    """`send` for synchronous callers (not on an event loop thread)."""
+    from asgiref.sync import async_to_sync
+
+    return async_to_sync(send)(group, message)
 GROUP_RENEW_S = 300.0  # channels-redis forgets a group member after its group_expiry
 
 
@@ -54,4 +82,4 @@ class GroupListener:
             return None
 
 
-__all__ = ["GroupListener", "LAYER_TIMEOUT_S"]
+__all__ = ["GroupListener", "LAYER_TIMEOUT_S", "send", "send_sync"]

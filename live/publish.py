@@ -5,7 +5,8 @@ import logging
 import re
 
 from asgiref.sync import async_to_sync
-from channels.layers import get_channel_layer
+
+from live.groups import send, send_sync
 
 log = logging.getLogger(__name__)
 
@@ -18,13 +19,9 @@ async def publish(group: str, html: str, *, key: str | None = None) -> None:
     `key` (usually the element id the fragment replaces) lets consumers drop stale versions;
     None means the fragment appends (a log line) and is never merged with another.
     """
-    layer = get_channel_layer()
-    if layer is None or not GROUP_RE.match(group):
+    if not GROUP_RE.match(group):
         return
-    try:
-        await layer.group_send(group, {"type": "live.fragment", "html": html, "key": key})
-    except Exception:  # a full or unreachable channel layer must never break the caller
-        log.warning("live publish to %s failed", group, exc_info=True)
+    await send(group, {"type": "live.fragment", "html": html, "key": key})  # bounded; never raises
 
 
 def publish_sync(group: str, html: str, *, key: str | None = None) -> None:
@@ -40,10 +37,4 @@ def user_group(user_id: int) -> str:
 
 def user_changed_sync(user_id: int) -> None:
     """Tell every open live page of `user_id` to check its user again (sync callers)."""
-    layer = get_channel_layer()
-    if layer is None:
-        return
-    try:
-        async_to_sync(layer.group_send)(user_group(user_id), {"type": "live.recheck"})
-    except Exception:  # the pages also check on their own every LIVE_RECHECK_S
-        log.warning("live recheck for user %s failed", user_id, exc_info=True)
+    send_sync(user_group(user_id), {"type": "live.recheck"})  # the pages also check every LIVE_RECHECK_S

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import logging
 
-from asgiref.sync import async_to_sync
-from channels.layers import get_channel_layer
 from django.dispatch import receiver
 from django.template.loader import render_to_string
 from django.utils.html import escape
 
+from live.groups import send_sync
 from live.publish import publish, publish_sync
 from serving.models import InstanceEvent, ModelInstance, instance_changed
 
@@ -48,13 +47,7 @@ def timeline_html(instance_id: int, *, oob: bool) -> str:
 
 def routing_changed() -> None:
     """Tell every web process's routing table to re-read the database now (sync)."""
-    layer = get_channel_layer()
-    if layer is None:
-        return
-    try:
-        async_to_sync(layer.group_send)(ROUTING_GROUP, {"type": "routing.changed"})
-    except Exception:  # the tables also refresh on their own every second
-        log.warning("routing push failed", exc_info=True)
+    send_sync(ROUTING_GROUP, {"type": "routing.changed"})  # bounded; the tables also refresh every second
 
 
 def state_changed(instance: ModelInstance, event: InstanceEvent | None = None, *,

@@ -12,11 +12,10 @@ import logging
 import re
 import threading
 
-from asgiref.sync import async_to_sync
-from channels.layers import get_channel_layer
 from django.db import IntegrityError, connection, transaction
 from django.db.models import Q
 
+from live.groups import send_sync
 from serving import events
 from serving.models import (
     ACTIVE_STATES,
@@ -36,13 +35,7 @@ __all__ = ["LoadRefused", "find_instance", "instances_for_node", "name_holders",
 
 def nudge_node(node_name: str) -> None:
     """Wake the node's agent now (it would also notice within RECONCILE_INTERVAL_S)."""
-    layer = get_channel_layer()
-    if layer is None:
-        return
-    try:
-        async_to_sync(layer.group_send)(events.node_group(node_name), {"type": "agent.nudge"})
-    except Exception:
-        log.warning("nudging node %s failed; it will reconcile on its own", node_name, exc_info=True)
+    send_sync(events.node_group(node_name), {"type": "agent.nudge"})  # bounded; the agent also reconciles
 
 
 def _duplicate(model_name: str, *, exclude: int | None = None) -> LoadRefused | None:

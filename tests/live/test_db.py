@@ -139,3 +139,49 @@ async def test_a_query_error_is_not_retried(pg):
         await run_db(too_slow)
     assert not isinstance(err.value, DatabaseUnavailable) and len(attempts) == 1
     assert await run_db(_backend_pid)  # the connection still works (and was not needlessly dropped)
+
+
+def test_a_channel_layer_that_hangs_never_holds_up_a_sender(settings):
+    """A Redis that accepts connections and never answers (busy, or half restarted): every sender
+    (live fragments, nudges, routing and credential pushes) gives up after SEND_TIMEOUT_S instead of
+    holding the state change that sent it. CI once saw an unload wait 30 s in UNLOADING on it."""
+    import socket
+    import threading
+
+    from channels.layers import channel_layers
+
+    from live import groups
+    from live.publish import publish_sync
+    from serving.services import nudge_node
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)
+    held = []
+    stop = threading.Event()
+
+    def accept():
+        silent.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                held.append(silent.accept()[0])  # never answers
+            except OSError:
+                continue
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    settings.CHANNEL_LAYERS = {"default": {"BACKEND": "channels_redis.core.RedisChannelLayer",
+                                           "CONFIG": {"hosts": [f"redis://127.0.0.1:{silent.getsockname()[1]}/0"]}}}
+    channel_layers.backends = {}
+    try:
+        assert groups.send_sync("some-group", {"type": "x"}) is False
+        nudge_node("node-x")  # returns (bounded) instead of waiting on the socket
+        publish_sync("instances", "<div></div>", key="k")
+        assert held  # they did reach the silent server
+    finally:
+        stop.set()
+        thread.join()
+        for conn in held:
+            conn.close()
+        silent.close()
+        channel_layers.backends = {}
