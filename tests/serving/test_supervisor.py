@@ -19,10 +19,11 @@ from tests.serving.conftest import backend_pids, wait_state
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
-def _load(path, name, server_type="llm", backend=None):
+def _load(path, name, server_type="llm", backend=None, fallback=None):
     from serving.services import request_load
 
-    return request_load(model_path=str(path), model_name=name, server_type=server_type, backend=backend)
+    return request_load(model_path=str(path), model_name=name, server_type=server_type, backend=backend,
+                        fallback=fallback)
 
 
 def _events(instance_id):
@@ -190,7 +191,7 @@ async def test_crash_beyond_the_restart_limit_stays_in_error(agent, tiny_gguf, s
 async def test_a_backend_that_is_not_healthy_in_time_is_stopped_with_an_error(agent, tiny_gguf, serving_settings):
     # Far below the interpreter's own start-up time: the health check cannot answer in time.
     serving_settings.LOAD_TIMEOUT_LLAMA_S = 0.05
-    inst = await sync_to_async(_load)(tiny_gguf, "tiny-slow")
+    inst = await sync_to_async(_load)(tiny_gguf, "tiny-slow", fallback=False)  # (llama-server may be in time)
     inst = await wait_state(inst.pk, {InstanceState.ERROR}, timeout=30)
     assert inst.state_message == "llama-cpp-python did not answer /v1/models within 0.05 s"
     assert inst.pid is None and inst.restarts == 0
