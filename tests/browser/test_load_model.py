@@ -37,7 +37,7 @@ def test_load_watch_chat_unload(demo_console, page):
     row.get_by_role("link", name="Load").click()
     assert "/instances/new/?model_path=gguf/xgen-tiny-demo" in page.url
     verdict = page.locator("#load-verdict")
-    verdict.get_by_text("GGUF on CPU-only -> llama-cpp-python (cpu)").wait_for()
+    verdict.locator("#verdict-backend").get_by_text("GGUF on CPU-only -> llama-cpp-python (cpu)").wait_for()
     assert "runs on the CPU of test-node" in verdict.inner_text()
     page.fill("#id_model_name", "demo-chat")
     page.fill("#id_extra_args", "--no-such-flag 1")
