@@ -39,6 +39,10 @@ def _load(od: KeyedConsole, tiny_gguf, name: str, **fields) -> dict:
     r = httpx.post(f"{od.url}/api/management/load", headers=od.auth, timeout=30,
                    json={"model_path": str(tiny_gguf), "model_name": name, "policy": "on_demand", **fields})
     assert r.status_code == 202, r.text
+    deadline = time.monotonic() + 10  # the routing table is pushed the change (a few ms)
+    while name not in _models(od):
+        assert time.monotonic() < deadline, "the on_demand model never showed in /v1/models"
+        time.sleep(0.02)
     return r.json()
 
 
@@ -179,14 +183,13 @@ def test_a_client_that_leaves_during_a_cold_start_leaves_nothing_behind(od, tiny
 def test_a_failed_cold_start_answers_503_cold_start_failed(od, tmp_path):
     broken = tmp_path / "broken.gguf"
     broken.write_bytes(b"GGUF" + os.urandom(4096))  # not a model the engine can read
-    r = httpx.post(f"{od.url}/api/management/load", headers=od.auth, timeout=30,
-                   json={"model_path": str(broken), "model_name": "od-broken", "policy": "on_demand"})
-    assert r.status_code == 202, r.text
+    loaded = _load(od, broken, "od-broken")
     answer = _chat(od, "od-broken")
     assert answer.status_code == 503, answer.text
     assert answer.json()["error"]["code"] == "cold_start_failed"
     assert "od-broken" in answer.json()["error"]["message"]
-    _unload(od, r.json()["id"])
+    assert _inst(od, loaded["id"])["state"] == "ERROR"
+    _unload(od, loaded["id"])
 
 
 # ---------------------------------------------------------------- autostart across a clean restart (17 #12)
