@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 from django.db.models import Count, Sum
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import GaugeMetricFamily, Metric
 
 from hardware.models import GpuDevice, Node
 from hub.models import CacheDisk, DownloadJob, DownloadStatus, UploadJob, UploadStatus
@@ -84,11 +84,12 @@ class FleetCollector:
         for state in InstanceState.values:
             family.add_metric([state], counts.get(state, 0))
         yield family
-        # From the timelines, so every node's idle unloads and every process's evictions count.
+        # From the timelines, so every node's idle unloads and every process's evictions count (totals
+        # so far, as gauges like the rest of these families: every web process exports the same figure).
         for name, help_text, prefix in (
                 ("xgen_idle_unloads", "on_demand instances unloaded for idleness (back to IDLE)", "idle unload"),
                 ("xgen_evictions", "on_demand instances evicted to make room for another model", "evicted")):
-            counter = CounterMetricFamily(name, help_text, labels=["model"])
+            counter = GaugeMetricFamily(name, help_text, labels=["model"])
             rows = (InstanceEvent.objects.filter(to_state=InstanceState.IDLE, message__startswith=prefix)
                     .values_list("instance__model_name").annotate(n=Count("id")))
             for model, n in rows:

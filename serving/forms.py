@@ -57,7 +57,7 @@ class LoadForm(forms.Form):
                                                          "once it is; without it, a clean agent stop leaves it stopped)")
     policy = forms.ChoiceField(choices=[("always", "always: runs until unloaded"),
                                         ("on_demand", "on demand: starts on the first request, unloads when idle")],
-                               initial="always", label="Policy")
+                               initial="always", required=False, label="Policy")
     idle_ttl_s = forms.IntegerField(min_value=0, max_value=10**7, required=False, label="Idle TTL (seconds)",
                                     help_text="on demand: unloaded after this long without a request; 0 = never; "
                                               "empty: the default (XGEN_IDLE_TTL_S)")
@@ -71,6 +71,9 @@ class LoadForm(forms.Form):
     def __init__(self, *args, gpu_choices: list[tuple[int, str]] | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.fields["gpus"].choices = gpu_choices or []
+
+    def clean_policy(self) -> str:
+        return self.cleaned_data.get("policy") or "always"
 
     def clean_extra_args(self) -> dict:
         try:

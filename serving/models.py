@@ -111,10 +111,11 @@ class ModelInstance(models.Model):
     autostart = models.BooleanField(
         default=False, help_text="started when its node agent starts (and /readyz waits for it); the rest stay "
                                  "stopped after a clean agent stop")
-    policy = models.CharField(max_length=16, choices=Policy.choices, default=Policy.ALWAYS)
-    idle_ttl_s = models.PositiveIntegerField(default=0, help_text="on_demand: unloaded after this long without "
+    # db_default: rows written by code from before on_demand (a rolling upgrade) are `always`.
+    policy = models.CharField(max_length=16, choices=Policy.choices, default=Policy.ALWAYS, db_default=Policy.ALWAYS)
+    idle_ttl_s = models.PositiveIntegerField(default=0, db_default=0, help_text="on_demand: unloaded after this long without "
                                                                   "a request; 0 = never")
-    pinned = models.BooleanField(default=False, help_text="never evicted to make room")
+    pinned = models.BooleanField(default=False, db_default=False, help_text="never evicted to make room")
     max_concurrency = models.PositiveIntegerField(null=True, blank=True,
                                                   help_text="requests one replica serves at once; more queue")
     last_request_at = models.DateTimeField(null=True, blank=True, help_text="the proxy's last request (batched)")

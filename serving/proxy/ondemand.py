@@ -178,7 +178,8 @@ async def _run_start(start: ColdStart, standby: list[Standby]) -> list[Backend]:
             group = snap.by_name.get(start.model)
             if group:
                 return group
-        elif state in ("ERROR", "STOPPED") or (state == "IDLE" and seen_up):
+        elif state == "ERROR" or (state == "STOPPED" and desired != "RUNNING") or (state == "IDLE" and seen_up):
+            # (STOPPED and meant to run: a restarted agent found the half-started backend and starts it again)
             reason = last_error or message or state
             raise ProxyError(503, f"The model '{start.model}' could not be started: {reason[:400]}",
                              code="cold_start_failed")

@@ -112,7 +112,7 @@ def test_idle_unload_after_a_short_ttl_then_the_next_request_starts_it_again(od,
     second = _inst(od, loaded["id"])
     assert second["state"] == "READY" and second["pid"] != first["pid"]
     metrics = httpx.get(f"{od.url}/metrics", headers=od.auth, timeout=10).text
-    assert 'xgen_idle_unloads_total{model="od-ttl"}' in metrics
+    assert 'xgen_idle_unloads{model="od-ttl"} 1.0' in metrics
     _unload(od, loaded["id"])
 
 
