@@ -74,31 +74,48 @@ def fits_at_all(node: Node, need_mib: int, *, model_name: str) -> None:
                      need_mib=need_mib, free_mib=offered, holders=[])
 
 
-def make_room(node: Node, need_mib: int, *, model_name: str, exclude: int | None = None) -> list[ModelInstance]:
-    """Evict what must go for `need_mib` to fit on `node` (call inside a transaction); the evicted
-    instances (their desired state is IDLE now; nudge their node). Raises NoRoom with the numbers."""
-    node = Node.objects.select_for_update().get(pk=node.pk)  # one decision per node at a time
-    offered = offered_mib(node)
-    if offered is None or need_mib <= 0:
+def make_room(node: Node, need_mib: int, *, model_name: str, exclude: int | None = None,
+              gpus: list[int] | None = None) -> list[ModelInstance]:
+    """Evict what must go for `need_mib` to fit on `node` (call it under the node's placement lock):
+    on the GPUs the start will use (`gpus`: their free memory as the detector last saw it, the
+    memory of each evicted instance given back to its GPUs), and within what the node offers to
+    models. The evicted instances are returned (their desired state is IDLE now; nudge their
+    node). Raises NoRoom with the numbers."""
+    from serving.placement import gpu_rooms
+
+    node = Node.objects.select_for_update().get(pk=node.pk)  # (PostgreSQL: locked already by placement_lock)
+    if need_mib <= 0:
         return []
     held = holders(node, exclude=exclude)
-    free = offered - sum(i.memory_mib for i in held)
-    if need_mib <= free:
-        return []
+    candidates = sorted((i for i in held if _evictable(i)), key=_last_used)
     victims: list[ModelInstance] = []
-    for inst in sorted((i for i in held if _evictable(i)), key=_last_used):
-        if free >= need_mib:
-            break
-        victims.append(inst)
-        free += inst.memory_mib
-    if free < need_mib:
-        summary = [Holder(i.pk, i.model_name, i.memory_mib, _evictable(i)) for i in held]
-        who = ", ".join(f"{h.model_name} (instance {h.instance_id}) {h.mib} MiB"
-                        f"{'' if h.evictable else ' (pinned or always)'}" for h in summary) or "nothing"
-        base = offered - sum(i.memory_mib for i in held)
-        raise NoRoom(f"{model_name} needs {need_mib} MiB; {node.name} has {max(base, 0)} MiB free of {offered} MiB "
-                     f"offered to models and nothing more can be evicted (held: {who})",
-                     need_mib=need_mib, free_mib=max(base, 0), holders=summary)
+    if gpus:
+        rooms = {r.index: float(r.free_mib) for r in gpu_rooms(node, exclude_instance=exclude) if r.index in gpus}
+        per_gpu = need_mib / len(gpus)
+        while any(free < per_gpu for free in rooms.values()):
+            short = {i for i, free in rooms.items() if free < per_gpu}
+            victim = next((v for v in candidates if v not in victims and short & set(v.gpus or [])), None)
+            if victim is None:
+                index = min(rooms, key=lambda i: rooms[i])
+                _refuse(node, model_name, need_mib, held, f"GPU {index} has {int(rooms[index])} MiB free, "
+                                                          f"{int(per_gpu)} MiB needed there", free=int(rooms[index]))
+            victims.append(victim)
+            for idx in victim.gpus or []:
+                if idx in rooms:
+                    rooms[idx] += victim.memory_mib / len(victim.gpus)
+    offered = offered_mib(node)
+    if offered is not None:
+        free = offered - sum(i.memory_mib for i in held) + sum(v.memory_mib for v in victims)
+        for inst in candidates:
+            if free >= need_mib:
+                break
+            if inst not in victims:
+                victims.append(inst)
+                free += inst.memory_mib
+        if free < need_mib:
+            base = offered - sum(i.memory_mib for i in held)
+            _refuse(node, model_name, need_mib, held, f"{max(base, 0)} MiB free of {offered} MiB offered to models",
+                    free=max(base, 0))
     now = timezone.now()
     for victim in victims:
         reason = f"evicted to make room for {model_name}"
@@ -107,3 +124,11 @@ def make_room(node: Node, need_mib: int, *, model_name: str, exclude: int | None
         InstanceEvent.objects.create(instance=victim, from_state=victim.state, to_state=victim.state,
                                      message=f"{reason} ({need_mib} MiB needed)")
     return victims
+
+
+def _refuse(node: Node, model_name: str, need_mib: int, held: list[ModelInstance], where: str, *, free: int) -> None:
+    summary = [Holder(i.pk, i.model_name, i.memory_mib, _evictable(i)) for i in held]
+    who = ", ".join(f"{h.model_name} (instance {h.instance_id}) {h.mib} MiB"
+                    f"{'' if h.evictable else ' (pinned or always)'}" for h in summary) or "nothing"
+    raise NoRoom(f"{model_name} needs {need_mib} MiB; {node.name} has {where} and nothing more can be evicted "
+                 f"(held: {who})", need_mib=need_mib, free_mib=free, holders=summary)

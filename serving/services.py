@@ -28,7 +28,7 @@ from serving.models import (
     Policy,
     name_holders,
 )
-from serving.planning import LoadRefused, plan_load
+from serving.planning import LoadRefused, plan_load, stored_plan
 
 log = logging.getLogger("xgen.serving")
 
@@ -150,7 +150,8 @@ def request_load(*, model_path: str, model_name: str | None = None, server_type:
             may_fall_back = fallback if fallback is not None else backend in (None, "", "auto")
             plan = dataclasses.replace(plan, launch=dataclasses.replace(plan.launch, fallback=bool(may_fall_back)))
             if start_now:
-                victims = make_room(plan.node, plan.estimate.total_mib, model_name=plan.model_name)
+                victims = make_room(plan.node, plan.estimate.total_mib, model_name=plan.model_name,
+                                    gpus=list(plan.gpus))
             else:
                 fits_at_all(plan.node, plan.estimate.total_mib, model_name=plan.model_name)
             inst = _record_load(plan, aliases=aliases, autostart=autostart, user=user, start_now=start_now,
@@ -207,7 +208,9 @@ def request_cold_start(*, instance_id: int, reason: str = "started by a request"
         inst = ModelInstance.objects.select_for_update(of=("self",)).select_related("node").get(pk=instance_id)
         if inst.state != InstanceState.IDLE:
             return inst
-        victims = make_room(inst.node, inst.memory_mib, model_name=inst.model_name, exclude=inst.pk)
+        planned = stored_plan(inst)
+        victims = make_room(inst.node, inst.memory_mib, model_name=inst.model_name, exclude=inst.pk,
+                            gpus=list(planned.gpus) if planned else None)
         ModelInstance.objects.filter(pk=inst.pk).update(desired_state=DesiredState.RUNNING)
         inst.mark_pending(reason, desired_state=DesiredState.RUNNING, last_error="", exit_code=None, restarts=0)
     if victims:
