@@ -129,7 +129,7 @@ def cold_start_timeout(standby: list[Standby]) -> float:
     return float(adapter.load_timeout_s() if adapter else settings.LOAD_TIMEOUT_LLAMA_S) + 30
 
 
-def _start_one(ids: list[int]) -> tuple[int, str]:
+def _start_one(ids: list[int]) -> tuple[int | None, str]:
     """Start the first IDLE instance of `ids` unless one of them is on its way up already."""
     from serving.capacity import NoRoom
     from serving.models import ACTIVE_STATES, DesiredState, ModelInstance
@@ -147,8 +147,10 @@ def _start_one(ids: list[int]) -> tuple[int, str]:
                 raise ProxyError(503, f"{exc.message}.", code="insufficient_capacity",
                                  headers=[(b"retry-after", b"5")]) from None
             return inst.pk, inst.state
-    raise ProxyError(503, "No instance of the model can be started now (it is stopping).", code="no_backend",
-                     headers=[(b"retry-after", b"1")])
+    if any(state in ACTIVE_STATES for _, state, _ in rows):
+        return None, "UNLOADING"  # on its way back to IDLE (idle unload, eviction): started once it is there
+    states = ", ".join(sorted({state for _, state, _ in rows})) or "gone"
+    raise ProxyError(503, f"The model cannot be started: its instance is {states}.", code="cold_start_failed")
 
 
 def _states(ids: list[int]) -> list[tuple[int, str, str, float | None, str, str]]:
@@ -160,9 +162,14 @@ def _states(ids: list[int]) -> list[tuple[int, str, str, float | None, str, str]
 
 async def _run_start(start: ColdStart, standby: list[Standby]) -> list[Backend]:
     ids = [s.instance_id for s in standby]
-    started_id, start.state = await run_db(_start_one, ids)
-    routing_table.invalidate()  # every process's table shows it loading (pushed on its state changes)
     deadline = time.monotonic() + cold_start_timeout(standby)
+    started_id, start.state = await run_db(_start_one, ids)
+    while started_id is None:  # stopping: wait until it is IDLE, then start it
+        if time.monotonic() > deadline:
+            raise ProxyError(503, f"The model '{start.model}' is still stopping.", code="cold_start_failed")
+        await asyncio.sleep(POLL_S)
+        started_id, start.state = await run_db(_start_one, ids)
+    routing_table.invalidate()  # every process's table shows it loading (pushed on its state changes)
     seen_up = False
     while True:
         rows = await run_db(_states, ids)
