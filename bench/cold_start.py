@@ -51,13 +51,13 @@ def first_token(client: httpx.Client, url: str, body: dict, headers: dict | None
     start = time.perf_counter()
     with client.stream("POST", url, json=body, headers=headers or {}, timeout=300) as r:
         r.raise_for_status()
+        elapsed = None
         for line in r.iter_lines():
-            if line.startswith("data: "):
-                elapsed = time.perf_counter() - start
-                for _ in r.iter_lines():
-                    pass
-                return elapsed
-    raise RuntimeError("no data line")
+            if elapsed is None and line.startswith("data: "):
+                elapsed = time.perf_counter() - start  # (the rest is read to the end)
+    if elapsed is None:
+        raise RuntimeError("no data line")
+    return elapsed
 
 
 def by_hand(row: dict, model: Path, i: int) -> float:
