@@ -169,7 +169,7 @@ def gpu_rooms(node: Node, *, exclude_instance: int | None = None, evictable_free
         for inst in ModelInstance.objects.filter(node=node, state=InstanceState.READY, policy="on_demand",
                                                  pinned=False).exclude(pk=exclude_instance):
             for idx in inst.gpus or []:
-                reserved[idx] = reserved.get(idx, 0) - (inst.estimated_memory_mib or 0) / len(inst.gpus)
+                reserved[idx] = reserved.get(idx, 0) - inst.memory_mib / len(inst.gpus)
     return [
         GpuRoom(g.index, max(0, int(g.memory_free_mib - reserved.get(g.index, 0))), g.memory_total_mib)
         for g in GpuDevice.objects.filter(node=node).order_by("index")

@@ -89,4 +89,3 @@ class InstanceOut(Schema):
     autostart: bool = False
     last_request_at: datetime | None = None
     idle_unload_at: datetime | None = None
-    memory: dict | None = None

@@ -75,7 +75,7 @@ def test_three_concurrent_requests_to_an_idle_model_start_one_backend(od, tiny_g
     loaded = _load(od, tiny_gguf, "od-three", idle_ttl_s=0)
     assert loaded["state"] == "IDLE" and loaded["policy"] == "on_demand" and loaded["gpus"] == []
     inst = _inst(od, loaded["id"])
-    assert inst["pid"] is None and inst["port"] is None and inst["memory"]["held_mib"] == 0
+    assert inst["pid"] is None and inst["port"] is None and inst["memory"]["estimate_mib"] == 514
     assert _models(od)["od-three"]["status"] == "idle"
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         answers = list(pool.map(lambda _: _chat(od, "od-three"), range(3)))
