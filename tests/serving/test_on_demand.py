@@ -116,32 +116,68 @@ def test_idle_unload_after_a_short_ttl_then_the_next_request_starts_it_again(od,
     _unload(od, loaded["id"])
 
 
+def _measured(od: KeyedConsole, pk: int) -> dict:
+    """The READY instance once the agent has recorded what it holds (measured memory, issue 12 #4)."""
+    return wait_api(f"{od.url}/api/management/instances/{pk}", od.key,
+                    lambda b: b["state"] == "READY" and b["memory"]["measured_mib"] is not None, timeout=60)
+
+
+def _squeeze(od: KeyedConsole, pk: int) -> tuple[int, int]:
+    """Cap the node (what XGEN_NODE_MEMORY_MIB records) at what its instances hold now plus what
+    instance `pk` needs, less 1 MiB: it fits only if something goes. (cap, need)"""
+    code = ("from hardware.models import Node; from serving.capacity import holders; "
+            "from serving.models import ModelInstance; node = Node.objects.get(name='test-node'); "
+            f"need = ModelInstance.objects.get(pk={pk}).memory_mib; "
+            "cap = sum(i.memory_mib for i in holders(node)) + need - 1; "
+            "Node.objects.filter(pk=node.pk).update(model_memory_mib=cap); print(cap, need)")
+    cap, need = od.console.manage("shell", "-v", "0", "-c", code).stdout.split()[-2:]
+    return int(cap), int(need)
+
+
+def _uncap(od: KeyedConsole) -> None:
+    od.console.manage("shell", "-v", "0", "-c", "from hardware.models import Node; "
+                      f"Node.objects.filter(name='test-node').update(model_memory_mib={ENV['XGEN_NODE_MEMORY_MIB']})")
+
+
 def test_a_request_for_b_evicts_idle_a_and_a_pinned_model_is_never_evicted(od, tiny_gguf):
+    # Each step caps the node so that the next start fits only by making room (what a running
+    # tiny model holds is measured: far less than its estimate).
     a = _load(od, tiny_gguf, "od-a", idle_ttl_s=0)
     b = _load(od, tiny_gguf, "od-b", idle_ttl_s=0)
-    assert _chat(od, "od-a").status_code == 200
-    a_ready = _inst(od, a["id"])
-    r = _chat(od, "od-b")
-    assert r.status_code == 200, r.text
-    a_after = _inst(od, a["id"])
-    assert a_after["state"] == "IDLE" and a_after["pid"] is None
-    assert backend_pids("od-a", a_ready["port"]) == []
-    assert any(to == "IDLE" and msg == "evicted to make room for od-b" for _, to, msg in _timeline(od, a["id"]))
-    # A pinned model holds its room: B's request is refused with the numbers, nothing is stopped.
-    c = _load(od, tiny_gguf, "od-c", idle_ttl_s=0, pinned=True)
-    assert _chat(od, "od-c").status_code == 200  # evicts B (unpinned, least recently used)
-    assert _inst(od, b["id"])["state"] == "IDLE"
-    refused = _chat(od, "od-b")
-    assert refused.status_code == 503, refused.text
-    error = refused.json()["error"]
-    assert error["code"] == "insufficient_capacity"
-    assert "needs 514 MiB" in error["message"] and "of 800 MiB" in error["message"] and "od-c" in error["message"]
-    assert _inst(od, c["id"])["state"] == "READY"
-    # The API says the same for a clicked load: 409 does_not_fit with the numbers.
-    clicked = httpx.post(f"{od.url}/api/management/load", headers=od.auth, timeout=30,
-                         json={"model_path": str(tiny_gguf), "model_name": "od-clicked"})
-    assert clicked.status_code == 409 and clicked.json()["error"]["code"] == "does_not_fit", clicked.text
-    assert '"needed_mib": 514' in clicked.json()["error"]["message"]
+    try:
+        assert _chat(od, "od-a").status_code == 200
+        a_ready = _measured(od, a["id"])
+        _squeeze(od, b["id"])
+        r = _chat(od, "od-b")
+        assert r.status_code == 200, r.text
+        a_after = _inst(od, a["id"])
+        assert a_after["state"] == "IDLE" and a_after["pid"] is None
+        assert backend_pids("od-a", a_ready["port"]) == []
+        assert any(to == "IDLE" and msg == "evicted to make room for od-b" for _, to, msg in _timeline(od, a["id"]))
+        # A pinned model holds its room: B's request is refused with the numbers, nothing is stopped.
+        c = _load(od, tiny_gguf, "od-c", idle_ttl_s=0, pinned=True)
+        _measured(od, b["id"])
+        _squeeze(od, c["id"])
+        assert _chat(od, "od-c").status_code == 200  # evicts B (unpinned, least recently used)
+        assert _inst(od, b["id"])["state"] == "IDLE"
+        c_held = _measured(od, c["id"])["memory"]["measured_mib"]
+        cap, need = _squeeze(od, b["id"])
+        refused = _chat(od, "od-b")
+        assert refused.status_code == 503, refused.text
+        error = refused.json()["error"]
+        assert error["code"] == "insufficient_capacity"
+        assert f"od-b needs {need} MiB; test-node has {cap - c_held} MiB free of {cap} MiB offered to models" \
+            in error["message"], error["message"]
+        assert f"od-c (instance {c['id']}) {c_held} MiB (pinned or always)" in error["message"]
+        assert _inst(od, c["id"])["state"] == "READY"
+        # The API says the same for a clicked load: 409 does_not_fit with the numbers.
+        clicked = httpx.post(f"{od.url}/api/management/load", headers=od.auth, timeout=30,
+                             json={"model_path": str(tiny_gguf), "model_name": "od-clicked",
+                                   "extra_args": {"--n_ctx": 1024}})  # a shape never measured: the estimate
+        assert clicked.status_code == 409 and clicked.json()["error"]["code"] == "does_not_fit", clicked.text
+        assert '"needed_mib": ' in clicked.json()["error"]["message"]
+    finally:
+        _uncap(od)
     for inst in (a, b, c):
         _unload(od, inst["id"])
 
