@@ -35,6 +35,7 @@ from serving.proxy.replicas import Backend, RoutingSnapshot, Standby, routing_ta
 log = logging.getLogger("xgen.proxy")
 
 POLL_S = 0.1
+ERROR_GRACE_S = 3.0  # an ERROR the agent does not leave within this long ends the wait (cold_start_failed)
 # What the SSE comments say while a model loads: a rough share of the way by state.
 STATE_PCT = {"IDLE": 0, "PENDING": 2, "CACHING": 5, "LOADING": 50, "WARMING": 90, "READY": 100}
 
@@ -171,6 +172,7 @@ async def _run_start(start: ColdStart, standby: list[Standby]) -> list[Backend]:
         started_id, start.state = await run_db(_start_one, ids)
     routing_table.invalidate()  # every process's table shows it loading (pushed on its state changes)
     seen_up = False
+    error_since: float | None = None
     while True:
         rows = await run_db(_states, ids)
         mine = next((r for r in rows if r[0] == started_id), None)
@@ -185,6 +187,10 @@ async def _run_start(start: ColdStart, standby: list[Standby]) -> list[Backend]:
             group = snap.by_name.get(start.model)
             if group:
                 return group
+        elif state == "ERROR" and desired == "RUNNING" and time.monotonic() - (error_since or time.monotonic()) \
+                < ERROR_GRACE_S:
+            # The agent may still move on from it: the node's next backend (issue 12 #3), a restart.
+            error_since = error_since or time.monotonic()
         elif state == "ERROR" or (state == "STOPPED" and desired != "RUNNING") or (state == "IDLE" and seen_up):
             # (STOPPED and meant to run: a restarted agent found the half-started backend and starts it again)
             reason = last_error or message or state
@@ -192,6 +198,8 @@ async def _run_start(start: ColdStart, standby: list[Standby]) -> list[Backend]:
                              code="cold_start_failed")
         elif state != "IDLE":
             seen_up = True
+        if state != "ERROR":
+            error_since = None
         if time.monotonic() > deadline:
             raise ProxyError(503, f"The model '{start.model}' did not become ready within "
                                   f"{cold_start_timeout(standby):g} s (it is {state}: {message[:200]}).",
