@@ -44,15 +44,18 @@ class ApiKeyLimitsForm(forms.Form):
                                       widget=forms.NumberInput(attrs={"placeholder": "unlimited"}))
     monthly_tokens = forms.IntegerField(required=False, min_value=1, label="Tokens per month (UTC)",
                                         widget=forms.NumberInput(attrs={"placeholder": "unlimited"}))
-    priority = forms.IntegerField(required=False, min_value=0, max_value=9, initial=0,
-                                  help_text="0-9; higher goes first when requests queue")
+    priority = forms.TypedChoiceField(
+        required=False, coerce=int, initial=4, empty_value=4,
+        choices=[(7, "high"), (4, "normal"), (1, "low")] + [(i, str(i)) for i in range(10) if i not in (1, 4, 7)],
+        help_text="higher goes first when requests queue for a busy model")
 
     def clean_allowed_models(self) -> list[str]:
         raw = self.cleaned_data.get("allowed_models") or ""
         return sorted({m.strip() for m in raw.replace("\n", ",").split(",") if m.strip()})
 
     def clean_priority(self) -> int:
-        return self.cleaned_data.get("priority") or 0
+        value = self.cleaned_data.get("priority")
+        return 4 if value is None else value
 
     def limits(self) -> dict:
         return {f: self.cleaned_data[f] for f in ("allowed_models", "rpm", "tpm", "daily_tokens",

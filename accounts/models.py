@@ -68,7 +68,8 @@ class ApiKey(models.Model):
     tpm = models.PositiveBigIntegerField(null=True, blank=True, help_text="tokens per minute")
     daily_tokens = models.PositiveBigIntegerField(null=True, blank=True, help_text="tokens per UTC day")
     monthly_tokens = models.PositiveBigIntegerField(null=True, blank=True, help_text="tokens per UTC month")
-    priority = models.PositiveSmallIntegerField(default=0, help_text="0-9; higher goes first when requests queue")
+    priority = models.PositiveSmallIntegerField(
+        default=4, help_text="0-9, higher goes first when requests queue; low = 1, normal = 4 (default), high = 7")
 
     class Meta:
         db_table = "xgenconsole_apikey"

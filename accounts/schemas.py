@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Literal
 
 from ninja import Field, Schema
 
@@ -15,7 +16,9 @@ class KeyIn(Schema):
     tpm: int | None = Field(None, ge=1, description="tokens per minute (prompt + completion)")
     daily_tokens: int | None = Field(None, ge=1, description="tokens per UTC day")
     monthly_tokens: int | None = Field(None, ge=1, description="tokens per UTC month")
-    priority: int | None = Field(None, ge=0, le=9, description="0-9; higher goes first when requests queue")
+    priority: int | Literal["high", "normal", "low"] | None = Field(
+        None, description="high | normal (default) | low, or 0-9 (low 1, normal 4, high 7); higher goes first "
+                          "when requests queue")
 
 
 class KeyPatch(Schema):
@@ -28,7 +31,7 @@ class KeyPatch(Schema):
     tpm: int | None = Field(None, ge=1)
     daily_tokens: int | None = Field(None, ge=1)
     monthly_tokens: int | None = Field(None, ge=1)
-    priority: int | None = Field(None, ge=0, le=9)
+    priority: int | Literal["high", "normal", "low"] | None = None
 
 
 class KeyOut(Schema):

@@ -12,6 +12,20 @@ from accounts.models import ApiKey, Role, User, hash_key
 # The limit fields of a key, as the API, the Keys page and createapikey name them.
 LIMIT_FIELDS = ("allowed_models", "rpm", "tpm", "daily_tokens", "monthly_tokens", "priority")
 MAX_PRIORITY = 9
+# The names the API, the CLI and the Keys page take for a priority (the integer 0-9 works as well).
+PRIORITY_NAMES = {"low": 1, "normal": 4, "high": 7}
+DEFAULT_PRIORITY = PRIORITY_NAMES["normal"]
+
+
+def priority_value(value: int | str | None) -> int | str | None:
+    """A priority name as its number; anything else as it is (checked by clean_limits)."""
+    if isinstance(value, str):
+        name = value.strip().lower()
+        if name in PRIORITY_NAMES:
+            return PRIORITY_NAMES[name]
+        if name.isdigit():
+            return int(name)
+    return value
 
 
 class KeyInputError(ValueError):
@@ -70,9 +84,9 @@ def clean_limits(values: dict) -> dict:
                 raise KeyInputError("allowed_models: at most 500 names of 255 characters.")
             out[field] = names
         elif field == "priority":
-            value = 0 if value is None else value
+            value = DEFAULT_PRIORITY if value is None else priority_value(value)
             if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_PRIORITY:
-                raise KeyInputError(f"priority must be 0-{MAX_PRIORITY}.")
+                raise KeyInputError(f"priority must be high, normal, low or 0-{MAX_PRIORITY}.")
             out[field] = value
         elif field in LIMIT_FIELDS:
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)

@@ -36,6 +36,8 @@ class Node(models.Model):
     memory_total_mib = models.BigIntegerField(default=0)
     memory_used_mib = models.BigIntegerField(default=0)
     cpu_percent = models.FloatField(null=True, blank=True)
+    model_memory_mib = models.BigIntegerField(
+        default=0, db_default=0, help_text="XGEN_NODE_MEMORY_MIB of its agent: the most it offers to models (0: no cap)")
 
     class Meta:
         ordering = ["name"]

@@ -5,6 +5,7 @@ import os
 from dataclasses import dataclass
 from datetime import timedelta
 
+from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
@@ -26,7 +27,8 @@ def register_node(*, name: str, address: str) -> Node:
     now = timezone.now()
     node, _ = Node.objects.update_or_create(
         name=name,
-        defaults={"address": address, "started_at": now, "last_heartbeat": now, "agent_pid": os.getpid()},
+        defaults={"address": address, "started_at": now, "last_heartbeat": now, "agent_pid": os.getpid(),
+                  "model_memory_mib": settings.NODE_MEMORY_MIB},
     )
     return node
 

@@ -1,6 +1,8 @@
 """The management API: load, unload, restart, and read instances (mounted at /api/management)."""
 from __future__ import annotations
 
+import json
+
 from django.http import HttpRequest
 from ninja import Router, Status
 
@@ -10,7 +12,7 @@ from accounts.errors import ApiError
 from serving.models import ModelInstance
 from serving.planning import LoadRefused, local_python, stored_plan
 from serving.schemas import InstanceOut, InstanceRef, LoadIn, LoadOut
-from serving.services import find_instance, request_load, request_restart, request_unload
+from serving.services import find_instance, request_load, request_restart, request_start, request_unload
 
 management_router = Router()
 
@@ -27,6 +29,9 @@ def instance_out(inst: ModelInstance) -> dict:
         "log_tail": list(inst.log_tail or []),
         "memory": {"estimate_mib": inst.estimated_memory_mib, "measured_mib": inst.measured_memory_mib,
                    "measured_source": inst.measured_source or None},
+        "policy": inst.policy, "idle_ttl_s": inst.idle_ttl_s, "pinned": inst.pinned,
+        "max_concurrency": inst.max_concurrency, "autostart": inst.autostart,
+        "last_request_at": inst.last_request_at, "idle_unload_at": inst.idle_unload_at,
         # The argv as planned; {port}, {model} and {python} stay where only the node knows them.
         "command": plan.command(port=inst.port, model=plan.known_model_file,
                                 python=local_python(inst.node.name)) if plan else None,
@@ -34,7 +39,9 @@ def instance_out(inst: ModelInstance) -> dict:
 
 
 def _refused(exc: LoadRefused) -> ApiError:
-    return ApiError(exc.status, exc.message, code=exc.code)
+    detail = getattr(exc, "detail", None)  # does_not_fit: the numbers (needed, free, held by whom)
+    message = exc.message if detail is None else f"{exc.message} {json.dumps(detail)}"
+    return ApiError(exc.status, message, code=exc.code)
 
 
 def _ref(request: HttpRequest, body: InstanceRef, action: str) -> ModelInstance:
@@ -65,6 +72,8 @@ def load(request: HttpRequest, body: LoadIn):
             backend=body.backend, node=body.node, gpus=body.gpus, tensor_parallel_size=body.tensor_parallel_size,
             extra_args=body.extra_args, autostart=body.autostart, user=user, aliases=body.aliases,
             fallback=body.fallback,
+            policy=body.policy, idle_ttl_s=body.idle_ttl_s, pinned=body.pinned, max_concurrency=body.max_concurrency,
+            start=body.start,
         )
     except LoadRefused as exc:
         _audit_refused(request, "load", body.model_name or body.model_path, exc)
@@ -72,7 +81,9 @@ def load(request: HttpRequest, body: LoadIn):
     record_audit(action="load", target=_target(inst), request=request,
                  detail={"model_path": inst.model_path, "node": inst.node.name, "backend": inst.backend})
     return Status(202, {"id": inst.pk, "model_name": inst.model_name, "state": inst.state, "backend": inst.backend,
-                 "backend_reason": inst.backend_reason, "node": inst.node.name, "gpus": list(inst.gpus)})
+                 "backend_reason": inst.backend_reason, "node": inst.node.name, "gpus": list(inst.gpus),
+                 "policy": inst.policy, "idle_ttl_s": inst.idle_ttl_s, "pinned": inst.pinned,
+                 "max_concurrency": inst.max_concurrency, "autostart": inst.autostart})
 
 
 @management_router.post("/unload", response={202: InstanceOut}, auth=operator_auth, summary="Unload an instance")
@@ -93,6 +104,20 @@ def restart(request: HttpRequest, body: InstanceRef):
         _audit_refused(request, "restart", _target(target), exc)
         raise _refused(exc) from None
     record_audit(action="restart", target=_target(inst), request=request, detail={"node": inst.node.name})
+    return Status(202, instance_out(inst))
+
+
+@management_router.post("/start", response={202: InstanceOut}, auth=operator_auth,
+                        summary="Start an IDLE on_demand instance now")
+def start(request: HttpRequest, body: InstanceRef):
+    require_role(request, "operator")
+    target = _ref(request, body, "start")
+    try:
+        inst = request_start(instance=target)
+    except LoadRefused as exc:
+        _audit_refused(request, "start", _target(target), exc)
+        raise _refused(exc) from None
+    record_audit(action="start", target=_target(inst), request=request, detail={"node": inst.node.name})
     return Status(202, instance_out(inst))
 
 

@@ -18,7 +18,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from hardware.models import GpuDevice, Node
 from hub.models import CacheDisk, DownloadJob, DownloadStatus, UploadJob, UploadStatus
 from serving.allocation import active_holders
-from serving.models import InstanceState, ModelInstance
+from serving.models import InstanceEvent, InstanceState, ModelInstance
 
 MIB = 2**20
 
@@ -27,7 +27,7 @@ FAMILIES = (
     "xgen_node_up", "xgen_gpu_memory_used_bytes", "xgen_gpu_memory_total_bytes", "xgen_gpu_utilization_percent",
     "xgen_gpu_temperature_celsius", "xgen_gpu_holder_info", "xgen_instances", "xgen_node_cache_used_bytes",
     "xgen_node_cache_free_bytes", "xgen_node_cache_max_bytes", "xgen_download_bytes", "xgen_download_jobs",
-    "xgen_upload_bytes", "xgen_upload_jobs",
+    "xgen_upload_bytes", "xgen_upload_jobs", "xgen_idle_unloads", "xgen_evictions",
 )
 
 
@@ -84,6 +84,17 @@ class FleetCollector:
         for state in InstanceState.values:
             family.add_metric([state], counts.get(state, 0))
         yield family
+        # From the timelines, so every node's idle unloads and every process's evictions count (totals
+        # so far, as gauges like the rest of these families: every web process exports the same figure).
+        for name, help_text, prefix in (
+                ("xgen_idle_unloads", "on_demand instances unloaded for idleness (back to IDLE)", "idle unload"),
+                ("xgen_evictions", "on_demand instances evicted to make room for another model", "evicted")):
+            counter = GaugeMetricFamily(name, help_text, labels=["model"])
+            rows = (InstanceEvent.objects.filter(to_state=InstanceState.IDLE, message__startswith=prefix)
+                    .values_list("instance__model_name").annotate(n=Count("id")))
+            for model, n in rows:
+                counter.add_metric([model], n)
+            yield counter
 
     def _caches(self) -> Iterator[Metric]:
         used = GaugeMetricFamily("xgen_node_cache_used_bytes", "Bytes of cached models on the node", labels=["node"])

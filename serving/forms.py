@@ -53,13 +53,27 @@ class LoadForm(forms.Form):
     extra_args = forms.CharField(widget=forms.Textarea(attrs={"rows": 4, "placeholder": "--ctx-size 8192\n--flash-attn on"}),
                                  required=False, max_length=8000,
                                  label="Extra arguments (one --flag value per line, or key=value)")
-    autostart = forms.BooleanField(required=False, label="Start again when the node agent starts")
+    autostart = forms.BooleanField(required=False, label="Start when the node agent starts (the console is ready "
+                                                         "once it is; without it, a clean agent stop leaves it stopped)")
+    policy = forms.ChoiceField(choices=[("always", "always: runs until unloaded"),
+                                        ("on_demand", "on demand: starts on the first request, unloads when idle")],
+                               initial="always", required=False, label="Policy")
+    idle_ttl_s = forms.IntegerField(min_value=0, max_value=10**7, required=False, label="Idle TTL (seconds)",
+                                    help_text="on demand: unloaded after this long without a request; 0 = never; "
+                                              "empty: the default (XGEN_IDLE_TTL_S)")
+    pinned = forms.BooleanField(required=False, label="Pinned: never evicted to make room for another model")
+    max_concurrency = forms.IntegerField(min_value=1, max_value=100000, required=False, label="Max concurrency",
+                                         help_text="requests one replica serves at once; more wait in the queue; "
+                                                   "empty: no limit")
     fallback = forms.BooleanField(required=False, label="If a backend named above does not come up, try another "
                                   "(automatic choices always do)")
 
     def __init__(self, *args, gpu_choices: list[tuple[int, str]] | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.fields["gpus"].choices = gpu_choices or []
+
+    def clean_policy(self) -> str:
+        return self.cleaned_data.get("policy") or "always"
 
     def clean_extra_args(self) -> dict:
         try:

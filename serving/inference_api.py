@@ -22,9 +22,9 @@ from serving.proxy import app as proxy_app
 from serving.proxy import metrics
 from serving.proxy.app import (
     admit_request,
-    candidates_for,
     check_model_type,
     parse_body,
+    ready_candidates,
     request_id_from,
     resolve_route,
 )
@@ -191,7 +191,7 @@ async def _forward(request: HttpRequest, kind: str) -> HttpResponse:
         payload = parse_body(body)
         ctx.principal = await _principal(request)
         body = await admit_request(ctx, payload, body, operation=operation)
-        candidates = await candidates_for(payload, kind=kind, principal=ctx.principal)
+        candidates = await ready_candidates(payload, kind=kind, principal=ctx.principal, ctx=ctx)
         check_model_type(candidates, resolve_route(request.path), payload)
         reply = await open_upstream(
             path=request.path, query=request.META.get("QUERY_STRING", "").encode("latin-1"), body=body,

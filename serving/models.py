@@ -33,11 +33,18 @@ class InstanceState(models.TextChoices):
     UNLOADING = "UNLOADING"
     STOPPED = "STOPPED"
     ERROR = "ERROR"
+    IDLE = "IDLE"  # on_demand: registered, no process, port or memory; starts on the next request
 
 
 class DesiredState(models.TextChoices):
     RUNNING = "RUNNING"
     STOPPED = "STOPPED"
+    IDLE = "IDLE"  # on_demand: stop the backend but keep the instance (idle unload, eviction)
+
+
+class Policy(models.TextChoices):
+    ALWAYS = "always"  # runs until unloaded (a click, as before)
+    ON_DEMAND = "on_demand"  # IDLE until a request needs it; unloaded when idle; evictable unless pinned
 
 
 # States in which an instance holds (or is about to hold) a name, a port and GPUs.
@@ -59,9 +66,11 @@ TRANSITIONS: dict[str, frozenset[str]] = {
     S.LOADING: frozenset({S.WARMING, S.ERROR, S.UNLOADING, S.STOPPED, S.PENDING}),
     S.WARMING: frozenset({S.READY, S.ERROR, S.UNLOADING, S.STOPPED, S.PENDING}),
     S.READY: frozenset({S.READY, S.ERROR, S.UNLOADING, S.STOPPED}),
-    S.UNLOADING: frozenset({S.STOPPED}),
+    S.UNLOADING: frozenset({S.STOPPED, S.IDLE}),
     S.STOPPED: frozenset({S.PENDING}),
-    S.ERROR: frozenset({S.ERROR, S.PENDING, S.UNLOADING, S.STOPPED}),
+    S.ERROR: frozenset({S.ERROR, S.PENDING, S.UNLOADING, S.STOPPED, S.IDLE}),
+    # A cold start (a request, or Start), or an unload of an idle on_demand instance.
+    S.IDLE: frozenset({S.PENDING, S.STOPPED}),
 }
 del S
 
@@ -70,8 +79,9 @@ instance_changed = Signal()
 
 
 def name_holders() -> Q:
-    """Instances that hold their served name: active ones, and ones the agent will start again."""
-    return Q(state__in=ACTIVE_STATES) | (Q(desired_state=DesiredState.RUNNING) & Q(state=InstanceState.STOPPED))
+    """Instances that hold their served name: active ones, IDLE ones, and ones the agent will start again."""
+    return Q(state__in=(*ACTIVE_STATES, InstanceState.IDLE)) | (
+        Q(desired_state=DesiredState.RUNNING) & Q(state=InstanceState.STOPPED))
 
 
 class IllegalTransition(Exception):
@@ -98,7 +108,17 @@ class ModelInstance(models.Model):
     tensor_parallel_size = models.IntegerField(default=1)
     extra_args = models.JSONField(default=dict, blank=True)
     plan = models.JSONField(null=True, blank=True, help_text="the LaunchPlan made when the load was requested")
-    autostart = models.BooleanField(default=False)
+    autostart = models.BooleanField(
+        default=False, help_text="started when its node agent starts (and /readyz waits for it); the rest stay "
+                                 "stopped after a clean agent stop")
+    # db_default: rows written by code from before on_demand (a rolling upgrade) are `always`.
+    policy = models.CharField(max_length=16, choices=Policy.choices, default=Policy.ALWAYS, db_default=Policy.ALWAYS)
+    idle_ttl_s = models.PositiveIntegerField(default=0, db_default=0, help_text="on_demand: unloaded after this long without "
+                                                                  "a request; 0 = never")
+    pinned = models.BooleanField(default=False, db_default=False, help_text="never evicted to make room")
+    max_concurrency = models.PositiveIntegerField(null=True, blank=True,
+                                                  help_text="requests one replica serves at once; more queue")
+    last_request_at = models.DateTimeField(null=True, blank=True, help_text="the proxy's last request (batched)")
     desired_state = models.CharField(max_length=16, choices=DesiredState.choices, default=DesiredState.RUNNING)
     state = models.CharField(max_length=16, choices=InstanceState.choices, default=InstanceState.PENDING)
     state_message = models.CharField(max_length=500, blank=True)
@@ -144,19 +164,54 @@ class ModelInstance(models.Model):
         return int(self.updated_at.timestamp() * 1_000_000)
 
     @property
+    def on_demand(self) -> bool:
+        return self.policy == Policy.ON_DEMAND
+
+    @property
+    def idle_unload_at(self):
+        """When an on_demand READY instance is unloaded for idleness if no request comes (None: never)."""
+        if not self.on_demand or not self.idle_ttl_s or self.state != InstanceState.READY:
+            return None
+        from datetime import timedelta
+
+        since = max(t for t in (self.last_request_at, self.ready_at, self.created_at) if t is not None)
+        return since + timedelta(seconds=self.idle_ttl_s)
+
+    @property
+    def idle_text(self) -> str:
+        """For the instances list: "idle for 3 min / unloads in 7 min" (READY on_demand), "idle" (IDLE)."""
+        if self.state == InstanceState.IDLE:
+            return "idle: the next request starts it"
+        at = self.idle_unload_at
+        if at is None:
+            return ""
+        now = timezone.now()
+        idle_s = max(0.0, self.idle_ttl_s - (at - now).total_seconds())
+        left_s = max(0.0, (at - now).total_seconds())
+        return f"idle for {_minutes(idle_s)} / unloads in {_minutes(left_s)}"
+
+    @property
+    def memory_mib(self) -> int:
+        """What the instance holds while it runs (placement, eviction and the API use this one figure):
+        the measured figure once the agent recorded one, else the plan's estimate."""
+        return int(self.measured_memory_mib or self.estimated_memory_mib or 0)
+
+    @property
     def upstream_base(self) -> str:
         """Where the proxy reaches this backend."""
         return f"http://{self.node.address}:{self.port}"
 
     # ------------------------------------------------------------ creation
     @classmethod
-    def create_requested(cls, *, message: str, announce: bool = True, **fields) -> ModelInstance:
-        """A new PENDING instance and its first timeline row, in one transaction; announced after
-        (by the caller, with announce_created(), when the caller's own transaction commits later)."""
+    def create_requested(cls, *, message: str, announce: bool = True, state: str = InstanceState.PENDING,
+                         **fields) -> ModelInstance:
+        """A new PENDING (or, on_demand, IDLE) instance and its first timeline row, in one
+        transaction; announced after (by the caller, with announce_created(), when the caller's own
+        transaction commits later)."""
         with transaction.atomic():
-            inst = cls.objects.create(state=InstanceState.PENDING, **fields)
-            inst._created_event = InstanceEvent.objects.create(instance=inst, from_state="",
-                                                               to_state=InstanceState.PENDING, message=message)
+            inst = cls.objects.create(state=state, **fields)
+            inst._created_event = InstanceEvent.objects.create(instance=inst, from_state="", to_state=state,
+                                                               message=message)
         if announce:
             inst.announce_created()
         return inst
@@ -256,6 +311,11 @@ class ModelInstance(models.Model):
             fields["gpus"] = []
         return self._move(InstanceState.STOPPED, reason, clear_process=True, **fields)
 
+    def mark_idle(self, reason: str, **process) -> ModelInstance:
+        """on_demand, no process: pid, port and GPUs free; the next request starts it again."""
+        return self._move(InstanceState.IDLE, reason, clear_process=True, port=None, gpus=[],
+                          stopped_at=timezone.now(), progress_pct=None, **process)
+
     # ------------------------------------------------------------ requests that are no state change
     def note_restart_requested(self) -> ModelInstance:
         """A restart of a live instance: desired RUNNING, the agent restarts it; a timeline row says so."""
@@ -281,6 +341,10 @@ class ModelInstance(models.Model):
         """A pid recorded on a row that is no longer active (its backend is gone): clear it."""
         type(self).objects.filter(pk=self.pk).update(pid=None, pgid=None)
         self.pid = self.pgid = None
+
+
+def _minutes(seconds: float) -> str:
+    return f"{int(seconds)} s" if seconds < 90 else f"{round(seconds / 60)} min"
 
 
 def _announce(instance: ModelInstance, event: InstanceEvent | None, *, progress_only: bool = False) -> None:

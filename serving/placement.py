@@ -155,14 +155,21 @@ class GpuRoom:
 RESERVING_STATES = (InstanceState.PENDING, InstanceState.CACHING, InstanceState.LOADING, InstanceState.WARMING)
 
 
-def gpu_rooms(node: Node, *, exclude_instance: int | None = None) -> list[GpuRoom]:
-    """Free memory per GPU, minus what loading instances have claimed but not yet allocated."""
+def gpu_rooms(node: Node, *, exclude_instance: int | None = None, evictable_free: bool = False) -> list[GpuRoom]:
+    """Free memory per GPU, minus what loading instances have claimed but not yet allocated.
+    `evictable_free`: what unpinned on_demand READY instances hold counts as free (a start
+    evicts them: serving.capacity)."""
     reserved: dict[int, float] = {}
     pending = ModelInstance.objects.filter(node=node, state__in=RESERVING_STATES).exclude(pk=exclude_instance)
     for inst in pending:
         if inst.gpus and inst.estimated_memory_mib:
             for idx in inst.gpus:
                 reserved[idx] = reserved.get(idx, 0) + inst.estimated_memory_mib / len(inst.gpus)
+    if evictable_free:
+        for inst in ModelInstance.objects.filter(node=node, state=InstanceState.READY, policy="on_demand",
+                                                 pinned=False).exclude(pk=exclude_instance):
+            for idx in inst.gpus or []:
+                reserved[idx] = reserved.get(idx, 0) - inst.memory_mib / len(inst.gpus)
     return [
         GpuRoom(g.index, max(0, int(g.memory_free_mib - reserved.get(g.index, 0))), g.memory_total_mib)
         for g in GpuDevice.objects.filter(node=node).order_by("index")

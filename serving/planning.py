@@ -305,7 +305,9 @@ def make_launch_plan(*, node: Node, source: ModelSource, model_name: str, server
         fit = f"runs on {where} (as recorded): needs ~{gib(estimate.total_mib)}"
     elif choice.uses_gpu:
         try:
-            chosen, fit = assign_gpus(node_name=node.name, gpus=gpu_rooms(node), need_mib=estimate.total_mib,
+            # Unpinned on_demand models in the way count as room: the start evicts them (serving.capacity).
+            chosen, fit = assign_gpus(node_name=node.name, gpus=gpu_rooms(node, evictable_free=True),
+                                      need_mib=estimate.total_mib,
                                       requested=gpus or None, tensor_parallel_size=tp)
         except PlacementError as exc:
             raise LoadRefused(409, str(exc), code="does_not_fit") from None

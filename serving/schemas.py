@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Literal
 
 from ninja import Field, Schema
 
@@ -16,10 +17,18 @@ class LoadIn(Schema):
     gpus: list[int] | None = Field(None, max_length=64)
     tensor_parallel_size: int | None = Field(None, ge=1, le=64)
     extra_args: dict[str, str | int | float | bool | None] | None = Field(None, max_length=64)
-    autostart: bool = False
+    autostart: bool = Field(False, description="start it when its node agent starts (and /readyz waits for it); "
+                                                "without it, a clean agent stop leaves it stopped")
     fallback: bool | None = Field(None, description="when the backend does not come up, try another backend of "
                                   "the node once; default: yes for backend auto, no for a backend named")
     aliases: list[str] | None = Field(None, max_length=16, description="more names that route like model_name")
+    policy: Literal["always", "on_demand"] = Field("always", description="on_demand: IDLE until a request needs it")
+    idle_ttl_s: int | None = Field(None, ge=0, le=10**7, description="on_demand: unloaded after this long unused; "
+                                                                      "0 = never (default XGEN_IDLE_TTL_S)")
+    pinned: bool = Field(False, description="never evicted to make room")
+    max_concurrency: int | None = Field(None, ge=1, le=100000,
+                                        description="requests one replica serves at once; more wait in the queue")
+    start: bool | None = Field(None, description="on_demand: start now instead of on the first request")
 
 
 class LoadOut(Schema):
@@ -30,6 +39,11 @@ class LoadOut(Schema):
     backend_reason: str
     node: str
     gpus: list[int]
+    policy: str = "always"
+    idle_ttl_s: int = 0
+    pinned: bool = False
+    max_concurrency: int | None = None
+    autostart: bool = False
 
 
 class InstanceRef(Schema):
@@ -68,3 +82,10 @@ class InstanceOut(Schema):
     log_tail: list[str]
     memory: InstanceMemory
     command: list[str] | None = None
+    policy: str = "always"
+    idle_ttl_s: int = 0
+    pinned: bool = False
+    max_concurrency: int | None = None
+    autostart: bool = False
+    last_request_at: datetime | None = None
+    idle_unload_at: datetime | None = None

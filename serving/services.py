@@ -12,25 +12,28 @@ import logging
 import re
 import threading
 
+from django.conf import settings
 from django.db import IntegrityError, connection, transaction
 from django.db.models import Q
 
 from live.groups import send_sync
 from serving import events
+from serving.capacity import NoRoom, fits_at_all, make_room
 from serving.models import (
     ACTIVE_STATES,
     DesiredState,
     IllegalTransition,
     InstanceState,
     ModelInstance,
+    Policy,
     name_holders,
 )
-from serving.planning import LoadRefused, plan_load
+from serving.planning import LoadRefused, plan_load, stored_plan
 
 log = logging.getLogger("xgen.serving")
 
-__all__ = ["LoadRefused", "find_instance", "instances_for_node", "name_holders", "nudge_node", "request_load",
-           "request_restart", "request_unload", "save_log_tail"]
+__all__ = ["LoadRefused", "find_instance", "instances_for_node", "name_holders", "nudge_node", "request_cold_start",
+           "request_load", "request_restart", "request_start", "request_unload", "save_log_tail"]
 
 
 def nudge_node(node_name: str) -> None:
@@ -98,29 +101,63 @@ def placement_lock(node_id: int):
         yield
 
 
+def _no_room(exc: NoRoom) -> LoadRefused:
+    refused = LoadRefused(409, exc.message, code="does_not_fit")
+    refused.detail = exc.detail()
+    return refused
+
+
+def _evict(victims: list[ModelInstance]) -> None:
+    for node_name in {v.node.name for v in victims}:
+        nudge_node(node_name)
+
+
 def request_load(*, model_path: str, model_name: str | None = None, server_type: str = "llm",
                  backend: str | None = None, node: str | None = None, gpus: list[int] | None = None,
                  tensor_parallel_size: int | None = None, extra_args: dict | None = None,
                  autostart: bool = False, user=None, aliases: list[str] | None = None,
-                 fallback: bool | None = None) -> ModelInstance:
-    """Plan and record a load (desired RUNNING, state PENDING, its LaunchPlan), then nudge the node's agent.
+                 fallback: bool | None = None, policy: str = Policy.ALWAYS, idle_ttl_s: int | None = None,
+                 pinned: bool = False, max_concurrency: int | None = None,
+                 start: bool | None = None) -> ModelInstance:
+    """Plan and record a load, then nudge the node's agent. `always` (and an on_demand load with
+    `start`): desired RUNNING, state PENDING, room made by eviction (409 does_not_fit when none
+    can be). on_demand without `start`: IDLE, started by the first request.
 
     `fallback`: may the agent try another backend of the node when this one does not come up?
     None: yes for a backend chosen automatically, no for one asked for by name.
 
     The plan is made twice: first to pick the node (every node, no lock), then again on that node
     under its placement lock, where the GPU rooms read count every load committed before."""
+    if policy not in Policy.values:
+        raise LoadRefused(400, f"policy must be always or on_demand, not {str(policy)[:40]!r}")
+    if idle_ttl_s is not None and idle_ttl_s < 0:
+        raise LoadRefused(400, "idle_ttl_s must be >= 0 (0: never unloaded for idleness)")
+    if max_concurrency is not None and max_concurrency < 1:
+        raise LoadRefused(400, "max_concurrency must be >= 1 (or null: no limit)")
+    on_demand = policy == Policy.ON_DEMAND
+    start_now = (not on_demand) if start is None else (bool(start) or not on_demand)
     args = dict(model_path=model_path, model_name=model_name, server_type=server_type, backend=backend, gpus=gpus,
                 tensor_parallel_size=tensor_parallel_size, extra_args=extra_args)
     plan = plan_load(node=node, **args)
     aliases = check_aliases(aliases, plan.model_name)
+    victims: list[ModelInstance] = []
+    on_demand_fields = dict(policy=policy, pinned=pinned, max_concurrency=max_concurrency,
+                            idle_ttl_s=(settings.IDLE_TTL_S if idle_ttl_s is None else idle_ttl_s) if on_demand else 0)
     try:
         with placement_lock(plan.node.pk):
             if plan.gpus:  # GPU memory is booked: read the rooms again, under the lock
                 plan = dataclasses.replace(plan_load(node=plan.node.name, **args), placement=plan.placement)
             may_fall_back = fallback if fallback is not None else backend in (None, "", "auto")
             plan = dataclasses.replace(plan, launch=dataclasses.replace(plan.launch, fallback=bool(may_fall_back)))
-            inst = _record_load(plan, aliases=aliases, autostart=autostart, user=user)
+            if start_now:
+                victims = make_room(plan.node, plan.estimate.total_mib, model_name=plan.model_name,
+                                    gpus=list(plan.gpus))
+            else:
+                fits_at_all(plan.node, plan.estimate.total_mib, model_name=plan.model_name)
+            inst = _record_load(plan, aliases=aliases, autostart=autostart, user=user, start_now=start_now,
+                                **on_demand_fields)
+    except NoRoom as exc:
+        raise _no_room(exc) from None
     except IntegrityError:
         # A load for the same name won the race between the name check and this insert.
         clash = _duplicate(plan.model_name)
@@ -128,11 +165,15 @@ def request_load(*, model_path: str, model_name: str | None = None, server_type:
             raise
         raise clash from None
     inst.announce_created()
-    nudge_node(plan.node.name)
+    if victims:
+        _evict(victims)
+    if start_now:
+        nudge_node(plan.node.name)
     return inst
 
 
-def _record_load(plan, *, aliases: list[str], autostart: bool, user) -> ModelInstance:
+def _record_load(plan, *, aliases: list[str], autostart: bool, user, start_now: bool = True,
+                 **on_demand_fields) -> ModelInstance:
     clash = _duplicate(plan.model_name)
     if clash is not None:
         raise clash
@@ -141,16 +182,51 @@ def _record_load(plan, *, aliases: list[str], autostart: bool, user) -> ModelIns
         raise clash
     launch = plan.launch
     return ModelInstance.create_requested(
-        message=f"load requested: {launch.reason}; {launch.fit}",
+        message=(f"load requested: {launch.reason}; {launch.fit}" if start_now else
+                 f"registered on_demand: {launch.reason}; {launch.fit}; starts on the first request"),
+        state=InstanceState.PENDING if start_now else InstanceState.IDLE,
         model_name=plan.model_name, aliases=aliases, model_path=plan.source.model_path,
         artifact=plan.source.artifact,
         type=launch.server_type, backend=launch.backend, backend_reason=f"{launch.reason} ({plan.placement})",
-        node=plan.node, gpus=plan.gpus, tensor_parallel_size=launch.tensor_parallel_size,
+        node=plan.node, gpus=plan.gpus if start_now else [], tensor_parallel_size=launch.tensor_parallel_size,
         extra_args=plan.extra_args, plan=launch.to_json(), autostart=autostart,
-        desired_state=DesiredState.RUNNING, state_message="waiting for the node agent",
+        desired_state=DesiredState.RUNNING if start_now else DesiredState.IDLE,
+        state_message="waiting for the node agent" if start_now else "idle: starts on the first request",
         estimated_memory_mib=plan.estimate.total_mib, created_by=user if getattr(user, "pk", None) else None,
-        announce=False,
+        announce=False, **on_demand_fields,
     )
+
+
+def request_cold_start(*, instance_id: int, reason: str = "started by a request") -> ModelInstance:
+    """Start an IDLE instance: room made on its node by eviction (NoRoom when none can be), desired
+    RUNNING, PENDING, its node nudged. An instance that already left IDLE is returned as it is
+    (another request, here or in another web process, started it)."""
+    node_id = ModelInstance.objects.filter(pk=instance_id).values_list("node_id", flat=True).first()
+    if node_id is None:
+        raise ModelInstance.DoesNotExist(f"no instance {instance_id}")
+    with placement_lock(node_id):
+        inst = ModelInstance.objects.select_for_update(of=("self",)).select_related("node").get(pk=instance_id)
+        if inst.state != InstanceState.IDLE:
+            return inst
+        planned = stored_plan(inst)
+        victims = make_room(inst.node, inst.memory_mib, model_name=inst.model_name, exclude=inst.pk,
+                            gpus=list(planned.gpus) if planned else None)
+        ModelInstance.objects.filter(pk=inst.pk).update(desired_state=DesiredState.RUNNING)
+        inst.mark_pending(reason, desired_state=DesiredState.RUNNING, last_error="", exit_code=None, restarts=0)
+    if victims:
+        _evict(victims)
+    nudge_node(inst.node.name)
+    return inst
+
+
+def request_start(*, instance: ModelInstance) -> ModelInstance:
+    """The Start button of an IDLE instance (409 does_not_fit when nothing can make room)."""
+    if instance.state != InstanceState.IDLE:
+        raise LoadRefused(409, f"instance {instance.pk} is {instance.state}, not IDLE", code="not_idle")
+    try:
+        return request_cold_start(instance_id=instance.pk, reason="start requested")
+    except NoRoom as exc:
+        raise _no_room(exc) from None
 
 
 def find_instance(*, id: int | None = None, model_name: str | None = None) -> ModelInstance:
@@ -162,7 +238,7 @@ def find_instance(*, id: int | None = None, model_name: str | None = None) -> Mo
             raise LoadRefused(404, f"no instance {id}", code="instance_not_found")
         return inst
     if model_name:
-        inst = qs.filter(model_name=model_name, state__in=ACTIVE_STATES).first() or \
+        inst = qs.filter(model_name=model_name, state__in=(*ACTIVE_STATES, InstanceState.IDLE)).first() or \
             qs.filter(model_name=model_name).first()
         if inst is None:
             raise LoadRefused(404, f"no instance serves {model_name[:120]!r}", code="model_not_found")
@@ -174,7 +250,8 @@ def request_unload(*, instance: ModelInstance) -> ModelInstance:
     """Desired STOPPED; the agent stops the process (an instance not running is marked STOPPED now)."""
     ModelInstance.objects.filter(pk=instance.pk).update(desired_state=DesiredState.STOPPED, autostart=False)
     instance.refresh_from_db()
-    if instance.state == InstanceState.ERROR or (instance.state == InstanceState.PENDING and not instance.pid):
+    if instance.state in (InstanceState.ERROR, InstanceState.IDLE) or (
+            instance.state == InstanceState.PENDING and not instance.pid):
         try:
             instance.mark_stopped("unloaded")
         except IllegalTransition:  # the agent moved it meanwhile; it stops it now
@@ -184,7 +261,10 @@ def request_unload(*, instance: ModelInstance) -> ModelInstance:
 
 
 def request_restart(*, instance: ModelInstance) -> ModelInstance:
-    """Stop (if running) and start again; an ERROR or STOPPED instance is started afresh."""
+    """Stop (if running) and start again; an ERROR or STOPPED instance is started afresh (an
+    IDLE one is started, as by a request)."""
+    if instance.state == InstanceState.IDLE:
+        return request_start(instance=instance)
     if instance.state in (InstanceState.STOPPED, InstanceState.ERROR):
         clash = _duplicate(instance.model_name, exclude=instance.pk)
         if clash is not None:

@@ -50,6 +50,8 @@ class RequestContext:
     stream: bool = False
     drop_usage_chunk: bool = False  # the proxy asked the backend for stream usage the client did not ask for
     rate_headers: list[tuple[bytes, bytes]] = field(default_factory=list)
+    extra_headers: list[tuple[bytes, bytes]] = field(default_factory=list)  # X-XGEN-Cold-Start
+    comments_sent: bool = False  # a stream's headers went out with `: loading` comments during a cold start
     t0: float = field(default_factory=time.perf_counter)
     at: float = field(default_factory=time.time)
     logged: bool = False

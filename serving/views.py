@@ -23,6 +23,7 @@ from serving.node.logs import current_log, previous_log
 from serving.placement import gpu_rooms
 from serving.planning import LoadRefused, backends_for, plan_load
 from serving.proxy.metrics import usage_summary
+from serving.proxy.ondemand import queue_depth
 from serving.services import request_load, request_restart, request_unload
 
 PLAYGROUND_TIMEOUT_S = 60
@@ -36,6 +37,8 @@ def _can_operate(request: HttpRequest) -> bool:
 @require_GET
 def instances_page(request: HttpRequest) -> HttpResponse:
     ctx = instances_context(can_operate=_can_operate(request))
+    for inst in ctx["instances"]:  # this process's queue (max_concurrency); the page shows it on load
+        inst.queue_depth = queue_depth(inst.model_name)
     if request.htmx:  # the websocket (re)connected: catch up on what happened before it
         return render(request, "serving/partials/_instances_card.html", {**ctx, "oob": True})
     return render(request, "serving/instances.html", ctx)
@@ -114,7 +117,8 @@ def load_page(request: HttpRequest) -> HttpResponse:
                     model_path=d["model_path"], model_name=d["model_name"] or None, server_type=d["server_type"],
                     backend=d["backend"], node=d["node"] or None, gpus=d["gpus"] or None,
                     tensor_parallel_size=d["tensor_parallel_size"], extra_args=d["extra_args"],
-                    autostart=d["autostart"], user=request.user, fallback=d["fallback"] or None,
+                    autostart=d["autostart"], user=request.user, fallback=d["fallback"] or None, policy=d["policy"],
+                    idle_ttl_s=d["idle_ttl_s"], pinned=d["pinned"], max_concurrency=d["max_concurrency"],
                 )
             except LoadRefused as exc:
                 error = exc.message
@@ -123,7 +127,9 @@ def load_page(request: HttpRequest) -> HttpResponse:
             else:
                 record_audit(action="load", target=f"{inst.model_name} (instance {inst.pk})", request=request,
                              detail={"model_path": inst.model_path, "node": inst.node.name, "backend": inst.backend})
-                messages.success(request, f"Loading {inst.model_name} on {inst.node.name}.")
+                messages.success(request, f"Loading {inst.model_name} on {inst.node.name}." if inst.state != "IDLE"
+                                 else f"{inst.model_name} is registered on {inst.node.name}; the first request "
+                                      "starts it.")
                 return redirect("instance-detail", pk=inst.pk)
     else:
         form = LoadForm(initial={"model_path": request.GET.get("model_path", ""), "node": node_name},

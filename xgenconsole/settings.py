@@ -49,6 +49,16 @@ STOP_GRACE_S = env_int("XGEN_STOP_GRACE", 15, minimum=1)
 RESTART_LIMIT = env_int("XGEN_RESTART_LIMIT", 5, minimum=0)
 RESTART_BACKOFF_S = env_int("XGEN_RESTART_BACKOFF", 2, minimum=0)
 RECONCILE_INTERVAL_S = env_int("XGEN_RECONCILE_INTERVAL", 5, minimum=1)
+# On-demand models (issue 13): what a node offers to models (0: its GPUs' memory, else its RAM),
+# the default idle TTL, how long a request waits for a cold start (0: the backend's load timeout),
+# and the per-model queue of requests beyond max_concurrency.
+NODE_MEMORY_MIB = env_int("XGEN_NODE_MEMORY_MIB", 0, minimum=0)
+IDLE_TTL_S = env_int("XGEN_IDLE_TTL_S", 600, minimum=0)
+COLD_START_TIMEOUT_S = env_int("XGEN_COLD_START_TIMEOUT_S", 0, minimum=0)
+COLD_START_KEEPALIVE_S = env_int("XGEN_COLD_START_KEEPALIVE_S", 2, minimum=0)
+QUEUE_MAX = env_int("XGEN_QUEUE_MAX", 100, minimum=0)
+QUEUE_TIMEOUT_S = env_int("XGEN_QUEUE_TIMEOUT_S", 120, minimum=1)
+ACTIVITY_FLUSH_S = 1.0  # how often a web process writes its models' last request time
 # Backends see only an allowlist of the agent's environment; these names are passed as well.
 BACKEND_ENV_PASS = env_list("XGEN_BACKEND_ENV", [])
 # vLLM's --trust-remote-code runs Python from the model's repository: refused unless allowed here.

@@ -28,6 +28,16 @@ def _fresh_node_names() -> list[str]:
     return list(Node.fresh().values_list("name", flat=True))
 
 
+def _autostart_loading() -> list[str]:
+    """Autostart models on fresh nodes still on their way up (ready waits for them, issue 17 #12)."""
+    from serving.models import DesiredState, InstanceState, ModelInstance
+
+    return sorted(set(ModelInstance.objects.filter(
+        autostart=True, desired_state=DesiredState.RUNNING, node__in=Node.fresh(),
+        state__in=(InstanceState.PENDING, InstanceState.CACHING, InstanceState.LOADING, InstanceState.WARMING,
+                   InstanceState.STOPPED)).values_list("model_name", flat=True)))
+
+
 @login_not_required
 async def readyz(request: HttpRequest) -> JsonResponse:
     """Ready = the database and the channel layer answer and a node agent heartbeats.
@@ -39,6 +49,9 @@ async def readyz(request: HttpRequest) -> JsonResponse:
     nodes: list[str] | None = None
     try:
         nodes = await run_db(_fresh_node_names)
+        loading = await run_db(_autostart_loading)
+        if loading:
+            reasons.append(f"autostart models still loading: {', '.join(loading[:10])}")
     except Exception:  # any driver error means not ready
         log.warning("readyz: the database check failed", exc_info=True)
         reasons.append("database unavailable")

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 import httpx
 from django.conf import settings
+from django.utils import timezone
 
 from hardware.process_memory import gpu_leaks, gpu_memory_by_pid, group_pids, measure_group
 from hub import layout
@@ -42,6 +43,7 @@ from serving.models import (
     IllegalTransition,
     InstanceState,
     ModelInstance,
+    Policy,
 )
 from serving.node.logs import TAIL_POLL_S, LogTailer, current_log, previous_log
 from serving.node.processes import (
@@ -175,13 +177,45 @@ class Supervisor(AgentWorker):
             await agent.wait_for_nudge(settings.RECONCILE_INTERVAL_S)
 
     async def stop(self, agent: NodeAgent) -> None:
-        """Stop every backend this agent runs (they start again with the next agent)."""
+        """Stop every backend this agent runs. Autostart instances start again with the next agent;
+        the others stay stopped (an on_demand one goes back to IDLE, started by the next request)."""
         self.closing = True
-        stops = [run.stopper or self.stop_instance(pk, "node agent stopped", keep_desired=True)
-                 for pk, run in list(self.runs.items())]
+        try:
+            rows = await _db(lambda: {pk: (auto, policy) for pk, auto, policy in ModelInstance.objects.filter(
+                pk__in=list(self.runs)).values_list("pk", "autostart", "policy")})()
+        except Exception:  # the database is down: stop everything, keep what the rows say
+            log.warning("could not read which instances autostart; all are stopped as they are", exc_info=True)
+            rows = {}
+        stops = []
+        for pk, run in list(self.runs.items()):
+            if run.stopper is not None:
+                stops.append(run.stopper)
+                continue
+            autostart, policy = rows.get(pk, (True, Policy.ALWAYS))
+            if autostart:
+                stops.append(self.stop_instance(pk, "node agent stopped (autostart: starts with the next agent)",
+                                                keep_desired=True))
+            elif policy == Policy.ON_DEMAND:
+                stops.append(self._leave(pk, DesiredState.IDLE, "node agent stopped: idle until the next request",
+                                         to_idle=True))
+            else:
+                stops.append(self._leave(pk, DesiredState.STOPPED,
+                                         "node agent stopped (not marked autostart: stays stopped; Restart starts it)"))
         await asyncio.gather(*stops, return_exceptions=True)
         if self.http is not None:
             await self.http.aclose()
+
+    async def _leave(self, instance_id: int, desired: str, reason: str, *, to_idle: bool = False) -> None:
+        """Record the new desired state, then stop (a failing write never keeps the backend running)."""
+        await self._record_desired(instance_id, desired, reason)
+        await self.stop_instance(instance_id, reason, to_idle=to_idle)
+
+    async def _record_desired(self, instance_id: int, desired: str, reason: str) -> None:
+        try:
+            await _db(lambda: ModelInstance.objects.filter(pk=instance_id).update(
+                desired_state=desired, state_message=reason[:500]))()
+        except Exception:
+            log.warning("could not record desired %s of instance %s", desired, instance_id, exc_info=True)
 
     async def _settled(self, run: BackendRun) -> None:
         deadline = time.monotonic() + (run.adapter.load_timeout_s() if run.adapter else 60) + 30
@@ -207,6 +241,19 @@ class Supervisor(AgentWorker):
                 elif inst.state in ACTIVE_STATES:
                     await self._record(inst.pk, ModelInstance.mark_stopped, "unloaded")
                 continue
+            if inst.desired_state == DesiredState.IDLE:  # idle unload or eviction: stopped, back to IDLE
+                reason = inst.state_message if inst.state == InstanceState.READY else "back to idle"
+                if run is not None:
+                    run.stopper = asyncio.create_task(self.stop_instance(inst.pk, reason, to_idle=True))
+                elif inst.state in (*ACTIVE_STATES, InstanceState.ERROR):
+                    await self._record(inst.pk, ModelInstance.mark_idle, reason)
+                continue
+            if run is not None and self._idle_too_long(inst):
+                reason = (f"idle unload: no request for {inst.idle_ttl_s} s (idle_ttl_s); "
+                          "back to IDLE, the next request starts it")
+                await self._record_desired(inst.pk, DesiredState.IDLE, reason)
+                run.stopper = asyncio.create_task(self.stop_instance(inst.pk, reason, to_idle=True))
+                continue
             if run is not None and inst.restart_requested:
                 run.stopper = asyncio.create_task(self._restart(inst.pk))
                 continue
@@ -218,6 +265,11 @@ class Supervisor(AgentWorker):
             run = self.runs[pk]
             if run.stopper is None:
                 run.stopper = asyncio.create_task(self.stop_instance(pk, "instance deleted"))
+
+    @staticmethod
+    def _idle_too_long(inst: ModelInstance) -> bool:
+        at = inst.idle_unload_at
+        return at is not None and timezone.now() >= at
 
     async def _restart(self, instance_id: int) -> None:
         await _db(lambda: ModelInstance.objects.filter(pk=instance_id).update(restart_requested=False))()
@@ -303,6 +355,7 @@ class Supervisor(AgentWorker):
             await db_mark(run.instance_id, ModelInstance.mark_error, f"cannot start: {exc}", last_error=str(exc))
             return LOAD_FAILED
         run.port = port
+        await self._wait_for_evictions(run.instance_id)
         log_path = current_log(run.instance_id)
         run.process = await spawn_backend(argv, env=env, log_path=log_path,
                                           previous_log=previous_log(run.instance_id))
@@ -337,6 +390,18 @@ class Supervisor(AgentWorker):
             log.info("instance %s holds %s", run.instance_id, measured.label)
         except Exception:  # a measurement must never take a READY backend down
             log.warning("measuring instance %s failed", run.instance_id, exc_info=True)
+
+    async def _wait_for_evictions(self, instance_id: int) -> None:
+        """Instances of this node on their way out (evicted to make room, unloaded) free their
+        memory before a new backend takes it."""
+        deadline = time.monotonic() + settings.STOP_GRACE_S + 10
+
+        def leaving() -> int:
+            return ModelInstance.objects.filter(node__name=self.agent.name, state__in=ACTIVE_STATES).exclude(
+                desired_state=DesiredState.RUNNING).exclude(pk=instance_id).count()
+
+        while time.monotonic() < deadline and await _db(leaving)():
+            await asyncio.sleep(0.1)
 
     async def _resolve_model(self, run: BackendRun, plan: LaunchPlan) -> Path:
         """The local file or directory to serve: a store prefix is synced into the node cache first
@@ -502,7 +567,8 @@ class Supervisor(AgentWorker):
             log.warning("could not record %s of instance %s; the next agent start reconciles it",
                         getattr(mark, "__name__", mark), instance_id, exc_info=True)
 
-    async def stop_instance(self, instance_id: int, reason: str, *, keep_desired: bool = False) -> None:
+    async def stop_instance(self, instance_id: int, reason: str, *, keep_desired: bool = False,
+                            to_idle: bool = False) -> None:
         """Stop the backend of an instance: kill its group and reap it from what this agent knows,
         while UNLOADING is recorded; then STOPPED, with the port (and the GPUs unless
         `keep_desired`) freed. The kill never waits on the database."""
@@ -524,8 +590,12 @@ class Supervisor(AgentWorker):
         self.runs.pop(instance_id, None)
         await unloading
         await self._check_left_behind(instance_id, run, pids)
-        await self._record(instance_id, ModelInstance.mark_stopped, reason, keep_gpus=keep_desired,
-                           exit_code=run.process.returncode if run.process else None)
+        exit_code = run.process.returncode if run.process else None
+        if to_idle:
+            await self._record(instance_id, ModelInstance.mark_idle, reason, exit_code=exit_code)
+        else:
+            await self._record(instance_id, ModelInstance.mark_stopped, reason, keep_gpus=keep_desired,
+                               exit_code=exit_code)
 
     async def _check_left_behind(self, instance_id: int, run: BackendRun, pids: list[int]) -> None:
         """After a stop: no process of the group may live on, and none of its pids may still hold

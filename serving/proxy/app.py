@@ -31,10 +31,10 @@ from accounts.errors import ErrorAnswer, error_body
 from live.db import DatabaseUnavailable, run_db
 from serving.adapters import ADAPTERS
 from serving.fleet_metrics import render_fleet
-from serving.proxy import anthropic, metrics
+from serving.proxy import anthropic, metrics, ondemand
 from serving.proxy.errors import ProxyError
 from serving.proxy.limits import limiter
-from serving.proxy.replicas import Backend, routing_table
+from serving.proxy.replicas import Backend, Standby, routing_table
 from serving.proxy.upstream import UpstreamReply, open_upstream
 from serving.usage import RequestContext, recorder
 
@@ -109,9 +109,22 @@ def resolve_operation(path: str) -> tuple[str, str, str | None, bool]:
     return route.method, route.operation, route.kind, route.embedding_only
 
 
+def _standby_entry(group: list[Standby]) -> dict:
+    first = group[0]
+    loading = any(s.state != "IDLE" for s in group)
+    return {
+        "id": first.model_name, "object": "model", "created": min(s.created for s in group), "owned_by": "xgen",
+        "type": first.type, "backend": first.backend, "node": first.node,
+        "aliases": sorted({a for s in group for a in s.aliases}), "replicas": 0, "instances": [],
+        "status": "loading" if loading else "idle", "policy": "on_demand",
+    }
+
+
 def _model_entry(backends: list[Backend]) -> dict:
     first = backends[0]
     return {
+        "status": "ready",
+        "policy": first.policy,
         "id": first.model_name,
         "object": "model",
         "created": min(b.created for b in backends),
@@ -130,9 +143,12 @@ async def list_models(*, kind: str | None = None, principal: Principal | None = 
     """Every READY model (one entry per served name, replicas listed) in OpenAI's list shape;
     for a key with allowed_models, only those."""
     snap = await routing_table.snapshot()
+    entries = {name: _model_entry(group) for name, group in snap.by_name.items()}
+    for name, group in snap.standby.items():  # on_demand models not READY: idle or loading
+        entries.setdefault(name, _standby_entry(group))
     data = [
-        _model_entry(group) for name, group in sorted(snap.by_name.items())
-        if (kind is None or group[0].type == kind) and (principal is None or principal.may_use(name))
+        entry for name, entry in sorted(entries.items())
+        if (kind is None or entry["type"] == kind) and (principal is None or principal.may_use(name))
     ]
     return {"object": "list", "data": data}
 
@@ -143,9 +159,11 @@ async def get_model(name: str, *, kind: str | None = None, principal: Principal 
     snap = await routing_table.snapshot()
     served = snap.served_name(name)
     group = snap.by_name.get(served)
-    if not group or (kind is not None and group[0].type != kind) or (principal and not principal.may_use(served)):
+    entry = _model_entry(group) if group else (
+        _standby_entry(snap.standby[served]) if snap.standby.get(served) else None)
+    if entry is None or (kind is not None and entry["type"] != kind) or (principal and not principal.may_use(served)):
         raise ProxyError(404, f"The model '{name}' does not exist or is not ready.", code="model_not_found")
-    return _model_entry(group)
+    return entry
 
 
 def parse_body(body: bytes) -> dict:
@@ -175,6 +193,9 @@ async def candidates_for(payload: dict, *, kind: str | None, principal: Principa
         group = snap.by_name.get(served)
         if group:
             return group
+        standby = ondemand.needs_cold_start(snap, served)
+        if standby:
+            raise ColdStartNeeded(served, standby)
         if model in snap.known_names:
             raise ProxyError(503, f"No backend for '{model}' is ready yet.", code="no_backend")
         raise ProxyError(404, f"The model '{model}' does not exist or is not loaded.", code="model_not_found")
@@ -187,6 +208,35 @@ async def candidates_for(payload: dict, *, kind: str | None, principal: Principa
     if not group:
         raise ProxyError(503, f"No {kind or 'llm'} model is ready.", code="no_backend")
     return group
+
+
+class ColdStartNeeded(ProxyError):
+    """Every replica of the model is IDLE (or on its way up): a request starts one. Callers that
+    do not start models answer it as it is (503 no_backend)."""
+
+    def __init__(self, model: str, standby: list[Standby]) -> None:
+        super().__init__(503, f"The model '{model}' is idle; it starts on a request.", code="no_backend",
+                         headers=[(b"retry-after", b"5")])
+        self.model = model
+        self.standby = standby
+
+
+async def ready_candidates(payload: dict, *, kind: str | None, principal: Principal | None, ctx: RequestContext,
+                           waiting=None) -> list[Backend]:
+    """candidates_for, with a cold start of an IDLE model waited for (X-XGEN-Cold-Start set).
+    `waiting(start, task)` waits in its own way (a stream's keep-alive comments)."""
+    try:
+        return await candidates_for(payload, kind=kind, principal=principal)
+    except ColdStartNeeded as need:
+        if kind is not None and need.standby[0].type != kind:
+            raise ProxyError(400, f"The model '{need.model}' is a {need.standby[0].type} model; this path needs "
+                                  f"a{'n' if kind[0] in 'aeiou' else ''} {kind} model.",
+                             code="model_type_mismatch") from None
+        began = time.perf_counter()
+        start, task = await ondemand.cold_start(need.model, need.standby)
+        group = await (waiting(start, task) if waiting is not None else asyncio.shield(task))
+        ctx.extra_headers.append((b"x-xgen-cold-start", f"{time.perf_counter() - began:.2f}".encode()))
+        return group
 
 
 def _not_allowed(model: str) -> ProxyError:
@@ -293,6 +343,7 @@ async def proxy_app(scope, receive, send) -> None:
     peer = scope.get("client")
     ctx = RequestContext(request_id=request_id, client=str(peer[0]) if peer else "")
     recorder.ensure_started()
+    ondemand.activity.ensure_started()
 
     async def tracked_send(message: dict) -> None:
         if message["type"] == "http.response.start":
@@ -455,7 +506,15 @@ async def _handle(scope, receive, send, headers: dict[bytes, bytes], ctx: Reques
                                         multipart=headers.get(b"content-type", b"").lower().startswith(b"multipart/"))
     ctx.principal = principal  # from here on, the request is in the request log
     body = await admit_request(ctx, payload, body, operation=usage_operation(route.upstream_path))
-    candidates = await candidates_for(payload, kind=route.kind, principal=principal)
+    try:
+        candidates = await candidates_for(payload, kind=route.kind, principal=principal)
+    except ColdStartNeeded:
+        # Waited for inside _forward, where a client that leaves is noticed (and leaves the wait).
+        candidates = await _cold_candidates(scope, receive, send, payload, route, ctx)
+        if candidates is None:
+            return
+        if ctx.comments_sent:
+            send = _AfterComments(send)
     check_model_type(candidates, route, payload)
     upstream_path = route.upstream_path
     if anthropic.is_messages_path(upstream_path):
@@ -545,6 +604,67 @@ async def passthrough(reply: UpstreamReply, send, timing, *, shape_error=openai_
     await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
+async def _cold_candidates(scope, receive, send, payload: dict, route: Route, ctx: RequestContext
+                           ) -> list[Backend] | None:
+    """Wait for a cold start, watching for the client leaving (None: it left, or its stream was
+    answered with the failure). A stream gets `: loading N%` comments while it waits."""
+    current = asyncio.current_task()
+    flags = {"gone": False, "sse": False}
+
+    async def watch_disconnect() -> None:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            flags["gone"] = True
+            current.cancel()
+
+    async def keepalive(start: ondemand.ColdStart, task: asyncio.Task) -> list[Backend]:
+        every = settings.COLD_START_KEEPALIVE_S
+        done, _ = await asyncio.wait({task}, timeout=every)
+        while not done:
+            if not flags["sse"]:
+                flags["sse"] = ctx.comments_sent = True
+                await send({"type": "http.response.start", "status": 200, "headers": [
+                    (b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
+                    (b"x-request-id", ctx.request_id.encode()),
+                    (b"x-xgen-cold-start", f"{time.perf_counter() - start.began:.2f}".encode())]})
+            await send({"type": "http.response.body", "body": f": loading {start.pct}%\n\n".encode(),
+                        "more_body": True})
+            done, _ = await asyncio.wait({task}, timeout=max(every, 0.5))
+        return task.result()
+
+    watcher = asyncio.create_task(watch_disconnect())
+    try:
+        return await ready_candidates(payload, kind=route.kind, principal=ctx.principal, ctx=ctx,
+                                      waiting=keepalive if ctx.stream else None)
+    except asyncio.CancelledError:
+        if not flags["gone"]:
+            raise
+        current.uncancel()  # the client left: the start goes on for the next request, nothing else stays
+        return None
+    except ErrorAnswer as exc:
+        if not flags["sse"]:
+            raise
+        metrics.record_rejected(exc.code or str(exc.status))
+        recorder.record_refused(ctx, status=exc.status, code=exc.code)
+        await send({"type": "http.response.body", "body": b"data: " + exc.body() + b"\n\n", "more_body": False})
+        return None
+    finally:
+        watcher.cancel()
+
+
+class _AfterComments:
+    """`send` for an answer whose SSE headers went out with the loading comments: the backend's
+    own response start is not sent again."""
+
+    def __init__(self, send) -> None:
+        self.send = send
+
+    async def __call__(self, message: dict) -> None:
+        if message["type"] == "http.response.start":
+            return
+        await self.send(message)
+
+
 async def _forward(scope, receive, send, *, path: str, body: bytes, candidates: list[Backend],
                    ctx: RequestContext, started: float | None = None, upstream_path: str | None = None,
                    relay=None, shape_error=openai_error_for) -> None:
@@ -565,10 +685,14 @@ async def _forward(scope, receive, send, *, path: str, body: bytes, candidates: 
 
     watcher = asyncio.create_task(watch_disconnect())
     reply: UpstreamReply | None = None
+    slot = ondemand.NO_SLOT
     try:
+        # max_concurrency: wait for a slot here, where a client that leaves is noticed.
+        slot = await ondemand.admit(candidates[0].model_name, candidates, _priority(ctx))
         reply = await open_upstream(path=path, query=scope.get("query_string", b""), body=body,
                                     candidates=candidates, headers=scope["headers"], request_id=ctx.request_id,
                                     upstream_path=upstream_path, ctx=ctx)
+        ondemand.activity.touch(reply.backend)
 
         def timing(excluded_s: float = 0.0) -> tuple[bytes, bytes]:
             return server_timing(started, reply, excluded_s=excluded_s)
@@ -589,3 +713,10 @@ async def _forward(scope, receive, send, *, path: str, body: bytes, candidates: 
         watcher.cancel()
         if reply is not None:
             reply.abort()
+        slot.release()
+
+
+def _priority(ctx: RequestContext) -> int:
+    """The queue priority of the request's key (a browser session is normal)."""
+    p = ctx.principal
+    return int(p.priority) if p is not None and p.key_id else 4

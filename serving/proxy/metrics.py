@@ -11,7 +11,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
-from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, Gauge, Histogram, generate_latest
 
 REQUESTS = Counter(
     "xgen_inference_requests", "Inference requests answered by a backend",
@@ -48,6 +48,18 @@ UPSTREAM_TIME = Histogram(
 TOKENS = Counter(
     "xgen_inference_tokens", "Tokens reported by the backend's usage", ["model", "instance", "kind"],
 )
+# On-demand models (this process's requests; idle unloads and evictions are in the fleet families).
+COLD_STARTS = Counter("xgen_cold_starts", "Cold starts of on_demand models begun by this process's requests",
+                      ["model"])
+COLD_START_FAILED = Counter("xgen_cold_starts_failed", "Cold starts that did not reach READY", ["model"])
+COLD_START_SECONDS = Histogram(
+    "xgen_cold_start_seconds", "From a cold start's request to READY", ["model"],
+    buckets=(0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 900, 1800))
+QUEUE_DEPTH = Gauge("xgen_queue_depth", "Requests waiting for a slot of a model at max_concurrency", ["model"])
+QUEUE_WAIT = Histogram(
+    "xgen_queue_wait_seconds", "Time a request waited in its model's queue", ["model"],
+    buckets=(0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
+QUEUE_REJECTED = Counter("xgen_queue_rejected", "Requests refused with 429 queue_full", ["model"])
 
 
 

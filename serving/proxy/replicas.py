@@ -45,6 +45,8 @@ class Backend:
     aliases: tuple[str, ...] = ()
     in_flight: int = 0
     down_until: float = 0.0
+    policy: str = "always"
+    max_concurrency: int | None = None
 
     @property
     def key(self) -> tuple[int, str]:
@@ -52,6 +54,20 @@ class Backend:
 
     def mark_down(self) -> None:
         self.down_until = time.monotonic() + DOWN_S
+
+
+@dataclass(frozen=True)
+class Standby:
+    """An on_demand instance that is not READY: the one a request for its name starts."""
+
+    instance_id: int
+    model_name: str
+    type: str
+    backend: str
+    node: str
+    state: str
+    created: int
+    aliases: tuple[str, ...] = ()
 
 
 @dataclass
@@ -62,6 +78,9 @@ class RoutingSnapshot:
     by_type: dict[str, list[Backend]] = field(default_factory=dict)
     known_names: frozenset[str] = frozenset()
     aliases: dict[str, str] = field(default_factory=dict)  # alias -> served name
+    # on_demand instances not READY (IDLE, or on their way up or down), by served name: what a
+    # request starts, and what /v1/models lists as idle or loading.
+    standby: dict[str, list[Standby]] = field(default_factory=dict)
 
     def served_name(self, name: str) -> str:
         """The served name a `model` stands for (itself unless it is an alias)."""
@@ -72,8 +91,9 @@ class RoutingSnapshot:
         return [b for group in self.by_name.values() for b in group]
 
 
-def _read_rows() -> tuple[list[dict], set[str]]:
-    """The READY instances on fresh nodes, and the names of all instances active or meant to run."""
+def _read_rows() -> tuple[list[dict], set[str], list[dict]]:
+    """The READY instances on fresh nodes, the names of all instances active, IDLE or meant to run,
+    and the on_demand instances that are not READY."""
     from django.db.models import Q
 
     from hardware.models import Node
@@ -84,17 +104,22 @@ def _read_rows() -> tuple[list[dict], set[str]]:
         ModelInstance.objects.filter(state=InstanceState.READY, node__in=fresh, port__isnull=False)
         .order_by("pk")
         .values("pk", "model_name", "aliases", "type", "backend", "port", "node__name", "node__address",
-                "ready_at", "created_at")
+                "ready_at", "created_at", "policy", "max_concurrency")
     )
+    standby = list(
+        ModelInstance.objects.filter(policy="on_demand", state__in=(*ACTIVE_STATES, InstanceState.IDLE))
+        .exclude(state=InstanceState.READY, node__in=fresh, port__isnull=False)
+        .order_by("pk").values("pk", "model_name", "aliases", "type", "backend", "node__name", "state", "created_at"))
     # Known = some instance holds the name or is meant to run: 503 no_backend while it is
     # not READY (loading, restarting after a crash, node offline), 404 only for the rest.
     names: set[str] = set()
     for name, aliases in (
-            ModelInstance.objects.filter(Q(state__in=ACTIVE_STATES) | Q(desired_state=DesiredState.RUNNING))
+            ModelInstance.objects.filter(Q(state__in=(*ACTIVE_STATES, InstanceState.IDLE))
+                                         | Q(desired_state=DesiredState.RUNNING))
             .values_list("model_name", "aliases")):
         names.add(name)
         names.update(aliases or [])  # an alias of a loading model answers 503 like its name
-    return rows, names
+    return rows, names, standby
 
 
 class RoutingTable:
@@ -186,8 +211,17 @@ class RoutingTable:
                 await task
 
     async def _load(self) -> RoutingSnapshot:
-        rows, names = await run_db(_read_rows)
+        rows, names, standby = await run_db(_read_rows)
         snap = RoutingSnapshot(known_names=frozenset(names))
+        for row in standby:
+            stamp = row["created_at"]
+            entry = Standby(instance_id=row["pk"], model_name=row["model_name"], type=row["type"],
+                            backend=row["backend"], node=row["node__name"], state=row["state"],
+                            created=int(stamp.timestamp()) if stamp else 0,
+                            aliases=tuple(a for a in (row.get("aliases") or []) if isinstance(a, str)))
+            snap.standby.setdefault(entry.model_name, []).append(entry)
+            for alias in entry.aliases:
+                snap.aliases.setdefault(alias, entry.model_name)
         kept: dict[tuple[int, str], Backend] = {}
         for row in rows:
             base = f"http://{row['node__address']}:{row['port']}"
@@ -201,6 +235,8 @@ class RoutingTable:
                     created=int(stamp.timestamp()) if stamp else 0,
                 )
             backend.aliases = tuple(a for a in (row.get("aliases") or []) if isinstance(a, str))
+            backend.policy = row.get("policy") or "always"
+            backend.max_concurrency = row.get("max_concurrency")
             for alias in backend.aliases:
                 snap.aliases.setdefault(alias, backend.model_name)
             kept[key] = backend

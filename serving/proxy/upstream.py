@@ -16,7 +16,7 @@ import aiohttp
 from django.conf import settings
 
 from accounts.errors import error_body
-from serving.proxy import metrics
+from serving.proxy import metrics, ondemand
 from serving.proxy.errors import ProxyError
 from serving.proxy.limits import limiter, shutdown_limiter
 from serving.proxy.replicas import Backend, routing_table
@@ -74,6 +74,7 @@ async def shutdown_proxy() -> None:
 
     await routing_table.stop()
     await shutdown_limiter()
+    await ondemand.activity.stop()
     await recorder.stop()  # what was counted since the last write: nothing is lost on a graceful stop
     await upkeep.stop()
     if _client is not None and not _client.closed:
@@ -116,8 +117,9 @@ class UpstreamReply:
             if k.lower() not in DROP_RESPONSE_HEADERS
         ]
         out.append((b"x-request-id", self.request_id.encode()))
-        if self.ctx is not None and self.ctx.rate_headers:
+        if self.ctx is not None:
             out.extend(self.ctx.rate_headers)
+            out.extend(self.ctx.extra_headers)
         return out
 
     def whole_body_size(self) -> int | None:

@@ -43,7 +43,7 @@ def test_an_admin_creates_a_key_with_limits_and_sees_it_once(client, admin, view
     unlimited = _json(client, "post", "/api/keys", admin.key, {"name": "free", "username": viewer.user.username})
     assert unlimited.status_code == 201
     assert [unlimited.json()[k] for k in ("rpm", "tpm", "daily_tokens", "monthly_tokens")] == [None] * 4
-    assert unlimited.json()["allowed_models"] == [] and unlimited.json()["priority"] == 0
+    assert unlimited.json()["allowed_models"] == [] and unlimited.json()["priority"] == 4
 
 
 @pytest.mark.django_db

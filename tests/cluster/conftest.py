@@ -18,7 +18,8 @@ def cluster(tmp_path_factory, s3_server) -> Iterator[Cluster]:
     s3_server.reset()
     counter = CountingProxy.start(s3_server.host, s3_server.port)
     c = create_cluster(tmp_path_factory.mktemp("cluster"), s3_endpoint=counter.endpoint,
-                       s3_access=s3_server.access_key, s3_secret=s3_server.secret_key)
+                       s3_access=s3_server.access_key, s3_secret=s3_server.secret_key,
+                       extra_env={"XGEN_COLD_START_TIMEOUT_S": "120"})
     c.s3_counter = counter
     try:
         c.start_agent("node-a")

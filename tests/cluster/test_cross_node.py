@@ -120,3 +120,60 @@ def test_two_loads_of_one_new_model_on_one_node_transfer_it_once(cluster, tiny_g
             assert client.post("/api/management/unload", json={"id": load["id"]}).status_code == 202
     for load in loads:
         _wait_state(cluster, "a", load["id"], "STOPPED")
+
+
+def test_a_request_on_web_a_cold_starts_an_on_demand_instance_on_node_b(cluster, tiny_gguf):
+    prefix = _upload(cluster, tiny_gguf, "tiny-od")
+    loaded = _load(cluster, "b", model_path=prefix, model_name="od-on-b", node="node-b", policy="on_demand",
+                   idle_ttl_s=0)
+    assert loaded["state"] == "IDLE" and loaded["node"] == "node-b"
+    with cluster.api("a") as client:
+        deadline = time.monotonic() + 10
+        while "od-on-b" not in {m["id"] for m in client.get("/v1/models").json()["data"]}:
+            assert time.monotonic() < deadline, "web A never listed the on_demand model"
+            time.sleep(0.1)
+        assert {m["id"]: m for m in client.get("/v1/models").json()["data"]}["od-on-b"]["status"] == "idle"
+        r = client.post("/v1/chat/completions", json={"model": "od-on-b", **CHAT}, timeout=180)
+    assert r.status_code == 200, r.text
+    assert float(r.headers["x-xgen-cold-start"]) > 0
+    ready = _wait_state(cluster, "b", loaded["id"], "READY")
+    assert ready["node"] == "node-b"
+    assert _chat(cluster, "b", "od-on-b") == 200  # web B routes to it too, with no start of its own
+    with cluster.api("a") as client:
+        assert client.post("/api/management/unload", json={"id": loaded["id"]}).status_code == 202
+    _wait_state(cluster, "a", loaded["id"], "STOPPED")
+
+
+def test_an_agent_killed_during_a_cold_start_the_waiting_request_is_answered(cluster, tiny_gguf):
+    prefix = _upload(cluster, tiny_gguf, "tiny-od-restart")
+    loaded = _load(cluster, "a", model_path=prefix, model_name="od-restart", node="node-b", policy="on_demand",
+                   idle_ttl_s=0)
+    with cluster.api("a") as client:
+        deadline = time.monotonic() + 10
+        while "od-restart" not in {m["id"] for m in client.get("/v1/models").json()["data"]}:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(lambda: httpx.post(
+            f"{cluster.webs['a'].url}/v1/chat/completions", json={"model": "od-restart", **CHAT}, timeout=300,
+            headers={"Authorization": f"Bearer {cluster.admin_key}"}))
+        with cluster.api("b") as client:
+            deadline = time.monotonic() + 60
+            while client.get(f"/api/management/instances/{loaded['id']}").json()["state"] == "IDLE":
+                assert time.monotonic() < deadline, "the request never started the instance"
+                time.sleep(0.05)
+        cluster.kill_agent("node-b")
+        cluster.start_agent("node-b")
+        answer = waiting.result(timeout=240)  # never hangs: READY, or a clear 503
+    assert answer.status_code in (200, 503), answer.text
+    if answer.status_code == 503:
+        assert answer.json()["error"]["code"] in ("cold_start_failed", "no_backend"), answer.text
+    cluster.wait_nodes_online({"node-b"}, web="a", timeout=60)
+    _wait_state(cluster, "a", loaded["id"], "READY", timeout=120)
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and _chat(cluster, "a", "od-restart") != 200:
+        time.sleep(0.3)
+    assert _chat(cluster, "a", "od-restart") == 200
+    with cluster.api("a") as client:
+        assert client.post("/api/management/unload", json={"id": loaded["id"]}).status_code == 202
+    _wait_state(cluster, "a", loaded["id"], "STOPPED")

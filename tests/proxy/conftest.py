@@ -40,7 +40,8 @@ for i, row in enumerate(rows):
     replica = sum(1 for other in rows[:i] if other["name"] == row["name"])  # replicas of one name are numbered
     inst = ModelInstance.objects.create(
         model_name=row["name"], replica=replica, model_path="/models/tiny.gguf", type=row.get("type", "llm"),
-        aliases=row.get("aliases", []),
+        aliases=row.get("aliases", []), policy=row.get("policy", "always"),
+        max_concurrency=row.get("max_concurrency"),
         backend=row.get("backend", "llama-cpp-python"), node=node, port=row["port"], state=row.get("state", "READY"),
         ready_at=timezone.now())
     ids.append(inst.pk)

@@ -17,6 +17,7 @@ ADDED_API = {
     ("PATCH", f"/api/keys/{MISSING_ID}", "admin"), ("DELETE", f"/api/keys/{MISSING_ID}", "admin"),
     ("GET", "/api/usage", "viewer"), ("GET", "/api/usage/chargeback", "viewer"), ("GET", "/api/requests", "viewer"),
     ("GET", "/api/audit", "admin"),
+    ("POST", "/api/management/start", "operator"),  # issue 13: start an IDLE on_demand instance
 }
 # What the proxy (the ASGI app ahead of Django) answers, beyond the Ninja operations it mirrors:
 # any POST /v1/<path> naming a model, and the engines' routes. (method, path, role); checked

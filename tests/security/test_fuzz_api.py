@@ -48,6 +48,10 @@ def test_the_upload_job_operations_are_fuzzed():
             "POST /api/storage/uploads/{job_id}/cancel"} <= set(OPERATIONS)
 
 
+def test_the_on_demand_operations_are_fuzzed():
+    assert {"POST /api/management/start", "POST /api/management/load"} <= set(OPERATIONS)
+
+
 # Changing and revoking keys go last (in this order): a case may revoke the key the fuzzer signs with.
 LAST = ("PATCH /api/keys", "DELETE /api/keys")
 

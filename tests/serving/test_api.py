@@ -35,7 +35,9 @@ def test_load_answers_202_with_the_choice(client: Client, node, operator, tiny_g
     r = post(client, "load", {"model_path": str(tiny_gguf), "model_name": "tiny"}, operator.key)
     assert r.status_code == 202, r.content
     body = r.json()
-    assert set(body) == {"id", "model_name", "state", "backend", "backend_reason", "node", "gpus"}
+    assert set(body) == {"id", "model_name", "state", "backend", "backend_reason", "node", "gpus",
+                         "policy", "idle_ttl_s", "pinned", "max_concurrency", "autostart"}  # the last five: issue 13
+    assert (body["policy"], body["pinned"], body["max_concurrency"]) == ("always", False, None)
     assert body["state"] == "PENDING" and body["backend"] == "llama-cpp-python" and body["node"] == NODE
     assert body["gpus"] == [] and body["backend_reason"] == "GGUF on CPU-only -> llama-cpp-python (cpu) (on node-t)"
     one = client.get(f"/api/management/instances/{body['id']}", **bearer(operator.key)).json()

@@ -41,6 +41,34 @@ def test_load_dialog_and_its_verdict(node, operator, viewer, tiny_gguf):
 
 
 @pytest.mark.django_db
+def test_an_on_demand_load_from_the_dialog_is_listed_idle_with_its_policy_and_a_start_button(node, operator,
+                                                                                              tiny_gguf):
+    c = logged_in(operator)
+    page = c.get("/instances/new/").content.decode()
+    for field in ('name="policy"', 'name="idle_ttl_s"', 'name="pinned"', 'name="max_concurrency"'):
+        assert field in page
+    r = c.post("/instances/new/", {"model_path": str(tiny_gguf), "model_name": "tiny-od", "server_type": "llm",
+                                   "backend": "auto", "node": NODE, "policy": "on_demand", "idle_ttl_s": "420",
+                                   "pinned": "on", "max_concurrency": "2"})
+    from serving.models import ModelInstance
+
+    inst = ModelInstance.objects.get()
+    assert r.status_code == 302, r.content[:500]
+    assert (inst.state, inst.policy, inst.idle_ttl_s, inst.pinned, inst.max_concurrency) == (
+        "IDLE", "on_demand", 420, True, 2)
+    listing = c.get("/instances/").content.decode()
+    assert f'id="inst-policy-{inst.pk}"' in listing and "on demand · pinned" in listing
+    assert "idle: the next request starts it" in listing and "max 2 at once" in listing
+    assert f'id="inst-start-{inst.pk}"' in listing
+    detail = c.get(f"/instances/{inst.pk}/").content.decode()
+    assert "idle TTL 420 s" in detail and ">Start</button>" in detail
+    # Start asks for a cold start: desired RUNNING, PENDING, like a request would.
+    r = c.post(f"/instances/{inst.pk}/restart", HTTP_HX_REQUEST="true")
+    inst.refresh_from_db()
+    assert r.status_code == 200 and (inst.state, inst.desired_state) == ("PENDING", "RUNNING")
+
+
+@pytest.mark.django_db
 def test_load_form_shows_errors_and_creates_on_success(node, operator, tiny_gguf):
     c = logged_in(operator)
     r = c.post("/instances/new/", {"model_path": str(tiny_gguf), "server_type": "llm", "backend": "auto",

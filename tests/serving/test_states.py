@@ -47,7 +47,29 @@ def test_the_table_covers_every_state_and_names_only_states():
     for targets in TRANSITIONS.values():
         assert targets <= set(S.values)
     assert TRANSITIONS[S.STOPPED] == {S.PENDING}, "a stopped instance only ever starts again through PENDING"
-    assert TRANSITIONS[S.UNLOADING] == {S.STOPPED}
+    # An on_demand instance stopped for idleness or evicted goes back to IDLE (issue 13).
+    assert TRANSITIONS[S.UNLOADING] == {S.STOPPED, S.IDLE}
+    assert TRANSITIONS[S.IDLE] == {S.PENDING, S.STOPPED}, "an idle instance starts through PENDING, or is unloaded"
+
+
+@pytest.mark.django_db
+def test_an_on_demand_life_goes_idle_pending_ready_unloading_idle(node):
+    inst = ModelInstance.create_requested(message="registered on_demand", state=S.IDLE, model_name="od",
+                                          model_path="/m/tiny.gguf", backend="llama-cpp-python", node=node,
+                                          policy="on_demand", idle_ttl_s=60, desired_state="IDLE")
+    assert inst.state == S.IDLE and inst.on_demand and inst.idle_text.startswith("idle")
+    ModelInstance.objects.filter(pk=inst.pk).update(desired_state="RUNNING")
+    inst.mark_pending("started by a request")
+    inst.mark_loading(pid=4242, pgid=4242, port=18123, gpus=[], message="starting")
+    inst.mark_warming()
+    inst.mark_ready("ready on port 18123")
+    assert inst.idle_unload_at is not None and "unloads in" in inst.idle_text
+    inst.mark_unloading("idle unload: no request for 60 s")
+    inst.mark_idle("idle unload: no request for 60 s", exit_code=-15)
+    row = ModelInstance.objects.get(pk=inst.pk)
+    assert (row.state, row.pid, row.port, row.gpus) == (S.IDLE, None, None, [])
+    assert _timeline(inst) == [("", "IDLE"), ("IDLE", "PENDING"), ("PENDING", "LOADING"), ("LOADING", "WARMING"),
+                               ("WARMING", "READY"), ("READY", "UNLOADING"), ("UNLOADING", "IDLE")]
 
 
 @pytest.mark.django_db

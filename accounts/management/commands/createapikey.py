@@ -2,7 +2,7 @@ from django.core.management.base import BaseCommand, CommandError
 
 from accounts.audit import record_audit
 from accounts.models import User
-from accounts.services import KeyInputError, create_api_key, expiry_in
+from accounts.services import KeyInputError, create_api_key, expiry_in, priority_value
 
 
 def _models(value: str) -> list[str]:
@@ -23,7 +23,8 @@ class Command(BaseCommand):
         parser.add_argument("--tpm", type=int, help="tokens per minute")
         parser.add_argument("--daily-tokens", type=int, help="tokens per UTC day")
         parser.add_argument("--monthly-tokens", type=int, help="tokens per UTC month")
-        parser.add_argument("--priority", type=int, help="0-9; higher goes first when requests queue")
+        parser.add_argument("--priority", type=priority_value,
+                            help="high, normal (default) or low, or 0-9; higher goes first when requests queue")
 
     def handle(self, *args, username: str, name: str, **options):
         user = User.objects.filter(username=username).first()

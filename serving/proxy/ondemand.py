@@ -1,0 +1,349 @@
+"""On-demand models in the proxy (issue 13): cold starts, the per-model queue, and the record of
+when each model was last asked for.
+
+- A request for a model whose replicas are all IDLE starts one (serving.services.request_cold_start:
+  desired RUNNING in the database, the node nudged, exactly like a click), once per model however
+  many requests wait in this process, and waits for READY by reading the row. Other web processes
+  that see the instance already starting only wait.
+- A model whose replicas have `max_concurrency` admits that many requests per replica at once;
+  the rest wait in a queue, FIFO within the keys' priority (higher first), at most
+  XGEN_QUEUE_MAX long and XGEN_QUEUE_TIMEOUT_S each: beyond either, 429 queue_full. The queue
+  is this process's: with several web processes each admits max_concurrency.
+- The last request time of on_demand instances goes to the database every ACTIVITY_FLUSH_S
+  (instances with requests open count as used), off the request path; the node's supervisor
+  unloads on it, and eviction orders by it.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import heapq
+import itertools
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+from django.conf import settings
+
+from live.db import run_db
+from serving.proxy import metrics
+from serving.proxy.errors import ProxyError
+from serving.proxy.replicas import Backend, RoutingSnapshot, Standby, routing_table
+
+log = logging.getLogger("xgen.proxy")
+
+POLL_S = 0.1
+ERROR_GRACE_S = 3.0  # an ERROR the agent does not leave within this long ends the wait (cold_start_failed)
+# What the SSE comments say while a model loads: a rough share of the way by state.
+STATE_PCT = {"IDLE": 0, "PENDING": 2, "CACHING": 5, "LOADING": 50, "WARMING": 90, "READY": 100}
+
+
+# ---------------------------------------------------------------- activity
+class Activity:
+    """When this process last sent a request to each on_demand instance; written in batches."""
+
+    def __init__(self) -> None:
+        self._touched: dict[int, float] = {}
+        self._task: asyncio.Task | None = None
+
+    def touch(self, backend: Backend) -> None:
+        if backend.policy == "on_demand":
+            self._touched[backend.instance_id] = time.time()
+
+    def ensure_started(self) -> None:
+        task = self._task
+        loop = asyncio.get_running_loop()
+        if task is None or task.done() or task.get_loop() is not loop:
+            self._task = loop.create_task(self._run(), name="on-demand-activity")
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(settings.ACTIVITY_FLUSH_S)
+            with contextlib.suppress(Exception):
+                await self.flush()
+
+    async def flush(self) -> None:
+        touched, self._touched = self._touched, {}
+        now = time.time()
+        for backend in routing_table.backends():  # a long answer still in flight is use
+            if backend.in_flight > 0 and backend.policy == "on_demand":
+                touched[backend.instance_id] = now
+        if touched:
+            try:
+                await run_db(_write_activity, touched)
+            except Exception:
+                for pk, at in touched.items():
+                    self._touched.setdefault(pk, at)
+                raise
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None and not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        with contextlib.suppress(Exception):
+            await self.flush()
+
+
+def _write_activity(touched: dict[int, float]) -> None:
+    from serving.models import ModelInstance
+
+    for pk, at in touched.items():
+        ModelInstance.objects.filter(pk=pk).update(last_request_at=datetime.fromtimestamp(at, UTC))
+
+
+activity = Activity()
+
+
+# ---------------------------------------------------------------- cold starts
+@dataclass
+class ColdStart:
+    """One model's start, shared by every request waiting for it in this process."""
+
+    model: str
+    began: float = field(default_factory=time.perf_counter)
+    state: str = "IDLE"
+    progress: float | None = None
+    task: asyncio.Task | None = None
+
+    @property
+    def pct(self) -> int:
+        base = STATE_PCT.get(self.state, 0)
+        if self.state == "CACHING" and self.progress is not None:
+            return int(5 + 0.45 * self.progress)
+        return base
+
+
+_starts: dict[str, ColdStart] = {}
+
+
+def cold_start_timeout(standby: list[Standby]) -> float:
+    """XGEN_COLD_START_TIMEOUT_S, or the backend's load timeout (plus the warm-up)."""
+    if settings.COLD_START_TIMEOUT_S:
+        return float(settings.COLD_START_TIMEOUT_S)
+    from serving.adapters import ADAPTERS
+
+    adapter = ADAPTERS.get(standby[0].backend) if standby else None
+    return float(adapter.load_timeout_s() if adapter else settings.LOAD_TIMEOUT_LLAMA_S) + 30
+
+
+def _start_one(ids: list[int]) -> tuple[int | None, str]:
+    """Start the first IDLE instance of `ids` unless one of them is on its way up already."""
+    from serving.capacity import NoRoom
+    from serving.models import ACTIVE_STATES, DesiredState, ModelInstance
+    from serving.services import request_cold_start
+
+    rows = list(ModelInstance.objects.filter(pk__in=ids).order_by("pk").values_list("pk", "state", "desired_state"))
+    for pk, state, desired in rows:
+        if state in ACTIVE_STATES and desired == DesiredState.RUNNING:
+            return pk, state  # started already (another request, another process, the Start button)
+    for pk, state, _ in rows:
+        if state == "IDLE":
+            try:
+                inst = request_cold_start(instance_id=pk)
+            except NoRoom as exc:
+                raise ProxyError(503, f"{exc.message}.", code="insufficient_capacity",
+                                 headers=[(b"retry-after", b"5")]) from None
+            return inst.pk, inst.state
+    if any(state in ACTIVE_STATES for _, state, _ in rows):
+        return None, "UNLOADING"  # on its way back to IDLE (idle unload, eviction): started once it is there
+    states = ", ".join(sorted({state for _, state, _ in rows})) or "gone"
+    raise ProxyError(503, f"The model cannot be started: its instance is {states}.", code="cold_start_failed")
+
+
+def _states(ids: list[int]) -> list[tuple[int, str, str, float | None, str, str]]:
+    from serving.models import ModelInstance
+
+    return list(ModelInstance.objects.filter(pk__in=ids).values_list(
+        "pk", "state", "desired_state", "progress_pct", "state_message", "last_error"))
+
+
+async def _run_start(start: ColdStart, standby: list[Standby]) -> list[Backend]:
+    ids = [s.instance_id for s in standby]
+    deadline = time.monotonic() + cold_start_timeout(standby)
+    started_id, start.state = await run_db(_start_one, ids)
+    while started_id is None:  # stopping: wait until it is IDLE, then start it
+        if time.monotonic() > deadline:
+            raise ProxyError(503, f"The model '{start.model}' is still stopping.", code="cold_start_failed")
+        await asyncio.sleep(POLL_S)
+        started_id, start.state = await run_db(_start_one, ids)
+    routing_table.invalidate()  # every process's table shows it loading (pushed on its state changes)
+    seen_up = False
+    error_since: float | None = None
+    while True:
+        rows = await run_db(_states, ids)
+        mine = next((r for r in rows if r[0] == started_id), None)
+        if mine is None:
+            raise ProxyError(503, f"The instance of '{start.model}' was deleted while it started.",
+                             code="cold_start_failed")
+        _, state, desired, progress, message, last_error = mine
+        start.state, start.progress = state, progress
+        if state == "READY":
+            routing_table.invalidate()
+            snap = await routing_table.refresh()
+            group = snap.by_name.get(start.model)
+            if group:
+                return group
+        elif state == "ERROR" and desired == "RUNNING" and time.monotonic() - (error_since or time.monotonic()) \
+                < ERROR_GRACE_S:
+            # The agent may still move on from it: the node's next backend (issue 12 #3), a restart.
+            error_since = error_since or time.monotonic()
+        elif state == "ERROR" or (state == "STOPPED" and desired != "RUNNING") or (state == "IDLE" and seen_up):
+            # (STOPPED and meant to run: a restarted agent found the half-started backend and starts it again)
+            reason = last_error or message or state
+            raise ProxyError(503, f"The model '{start.model}' could not be started: {reason[:400]}",
+                             code="cold_start_failed")
+        elif state != "IDLE":
+            seen_up = True
+        if state != "ERROR":
+            error_since = None
+        if time.monotonic() > deadline:
+            raise ProxyError(503, f"The model '{start.model}' did not become ready within "
+                                  f"{cold_start_timeout(standby):g} s (it is {state}: {message[:200]}).",
+                             code="cold_start_failed")
+        await asyncio.sleep(POLL_S)
+
+
+def starting(model: str) -> ColdStart | None:
+    return _starts.get(model)
+
+
+async def cold_start(model: str, standby: list[Standby]) -> tuple[ColdStart, asyncio.Task]:
+    """The shared start of `model` (begun now unless one is under way here)."""
+    start = _starts.get(model)
+    loop = asyncio.get_running_loop()
+    if start is None or start.task is None or start.task.done() or start.task.get_loop() is not loop:
+        start = _starts[model] = ColdStart(model=model)
+        start.task = loop.create_task(_run_start(start, standby), name=f"cold-start-{model}")
+        metrics.COLD_STARTS.labels(model).inc()
+
+        def done(task: asyncio.Task, start: ColdStart = start) -> None:
+            if _starts.get(model) is start:
+                _starts.pop(model, None)
+            if not task.cancelled() and task.exception() is None:
+                metrics.COLD_START_SECONDS.labels(model).observe(time.perf_counter() - start.began)
+            elif not task.cancelled():
+                metrics.COLD_START_FAILED.labels(model).inc()
+
+        start.task.add_done_callback(done)
+    return start, start.task
+
+
+def needs_cold_start(snap: RoutingSnapshot, served: str) -> list[Standby] | None:
+    """The standby instances of `served` when none of its replicas is READY."""
+    if snap.by_name.get(served):
+        return None
+    return snap.standby.get(served) or None
+
+
+# ---------------------------------------------------------------- the queue
+@dataclass
+class Slot:
+    gate: ModelGate | None
+    acquired: float = field(default_factory=time.perf_counter)
+    released: bool = False
+
+    def release(self) -> None:
+        if self.gate is not None and not self.released:
+            self.released = True
+            self.gate.release(time.perf_counter() - self.acquired)
+
+
+NO_SLOT = Slot(gate=None)
+
+
+class ModelGate:
+    """max_concurrency for one served name in this process, and its queue."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.active = 0
+        self.capacity = 1
+        self.waiting = 0
+        self._heap: list[tuple[int, int, asyncio.Future]] = []
+        self._seq = itertools.count()
+        self.hold_s = 1.0  # a moving average of how long a request holds a slot (for Retry-After)
+
+    def retry_after(self) -> int:
+        return max(1, math.ceil(self.hold_s * (self.waiting + 1) / max(self.capacity, 1)))
+
+    def _full(self, why: str) -> ProxyError:
+        metrics.QUEUE_REJECTED.labels(self.model).inc()
+        return ProxyError(429, f"The queue for '{self.model}' is full ({why}); try again later.", code="queue_full",
+                          headers=[(b"retry-after", str(self.retry_after()).encode())])
+
+    async def acquire(self, capacity: int, priority: int) -> Slot:
+        self.capacity = capacity
+        if self.active < capacity and not self.waiting:
+            self.active += 1
+            return Slot(gate=self)
+        if self.waiting >= settings.QUEUE_MAX:
+            raise self._full(f"{self.waiting} requests wait, XGEN_QUEUE_MAX is {settings.QUEUE_MAX}")
+        fut = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._heap, (-priority, next(self._seq), fut))
+        self.waiting += 1
+        metrics.QUEUE_DEPTH.labels(self.model).set(self.waiting)
+        waited_from = time.perf_counter()
+        try:
+            async with asyncio.timeout(settings.QUEUE_TIMEOUT_S):
+                await fut
+        except TimeoutError:
+            self._leave(fut)
+            raise self._full(f"waited {settings.QUEUE_TIMEOUT_S} s, XGEN_QUEUE_TIMEOUT_S") from None
+        except asyncio.CancelledError:  # the client left while queued
+            self._leave(fut)
+            raise
+        finally:
+            metrics.QUEUE_WAIT.labels(self.model).observe(time.perf_counter() - waited_from)
+            metrics.QUEUE_DEPTH.labels(self.model).set(self.waiting)
+        return Slot(gate=self)
+
+    def _leave(self, fut: asyncio.Future) -> None:
+        if fut.done() and not fut.cancelled():
+            self.release(None)  # it was handed a slot as it left: pass it on
+            return
+        if not fut.done():
+            fut.cancel()
+        self.waiting -= 1
+
+    def release(self, held_s: float | None) -> None:
+        if held_s is not None:
+            self.hold_s = 0.8 * self.hold_s + 0.2 * held_s
+        self.active -= 1
+        while self._heap and self.active < self.capacity:
+            _, _, fut = heapq.heappop(self._heap)
+            if fut.done():
+                continue  # left already (counted then)
+            self.waiting -= 1
+            self.active += 1
+            fut.set_result(True)
+            return
+
+
+_gates: dict[str, ModelGate] = {}
+
+
+def capacity_of(backends: list[Backend]) -> int | None:
+    """Requests the replicas serve at once (None: no limit, no queue)."""
+    if not backends or any(b.max_concurrency is None for b in backends):
+        return None
+    return sum(int(b.max_concurrency) for b in backends)
+
+
+async def admit(model: str, backends: list[Backend], priority: int) -> Slot:
+    """A slot for one request to `model` (waiting in its queue while the replicas are full)."""
+    capacity = capacity_of(backends)
+    if capacity is None:
+        return NO_SLOT
+    gate = _gates.get(model)
+    if gate is None:
+        gate = _gates[model] = ModelGate(model)
+    return await gate.acquire(capacity, priority)
+
+
+def queue_depth(model: str) -> int:
+    gate = _gates.get(model)
+    return gate.waiting if gate else 0
