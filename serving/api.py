@@ -96,29 +96,26 @@ def unload(request: HttpRequest, body: InstanceRef):
 
 @management_router.post("/restart", response={202: InstanceOut}, auth=operator_auth, summary="Restart an instance")
 def restart(request: HttpRequest, body: InstanceRef):
+    return _act(request, body, "restart", request_restart)
+
+
+def _act(request: HttpRequest, body: InstanceRef, action: str, do) -> Status:
+    """An operator's action on one instance (restart, start): refused ones audited, 202 with the instance."""
     require_role(request, "operator")
-    target = _ref(request, body, "restart")
+    target = _ref(request, body, action)
     try:
-        inst = request_restart(instance=target)
+        inst = do(instance=target)
     except LoadRefused as exc:
-        _audit_refused(request, "restart", _target(target), exc)
+        _audit_refused(request, action, _target(target), exc)
         raise _refused(exc) from None
-    record_audit(action="restart", target=_target(inst), request=request, detail={"node": inst.node.name})
+    record_audit(action=action, target=_target(inst), request=request, detail={"node": inst.node.name})
     return Status(202, instance_out(inst))
 
 
 @management_router.post("/start", response={202: InstanceOut}, auth=operator_auth,
                         summary="Start an IDLE on_demand instance now")
 def start(request: HttpRequest, body: InstanceRef):
-    require_role(request, "operator")
-    target = _ref(request, body, "start")
-    try:
-        inst = request_start(instance=target)
-    except LoadRefused as exc:
-        _audit_refused(request, "start", _target(target), exc)
-        raise _refused(exc) from None
-    record_audit(action="start", target=_target(inst), request=request, detail={"node": inst.node.name})
-    return Status(202, instance_out(inst))
+    return _act(request, body, "start", request_start)
 
 
 @management_router.get("/instances", response=list[InstanceOut], auth=api_auth, summary="List instances")
