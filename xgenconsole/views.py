@@ -2,6 +2,7 @@
 and the JSON or HTML answer for unknown routes and errors."""
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 
@@ -38,34 +39,59 @@ def _autostart_loading() -> list[str]:
                    InstanceState.STOPPED)).values_list("model_name", flat=True)))
 
 
+READY_CHECK_TIMEOUT_S = 3.0  # a probe answers within seconds, whatever hangs behind it
+
+
+async def _database_reasons() -> tuple[list[str] | None, list[str]]:
+    try:
+        async with asyncio.timeout(READY_CHECK_TIMEOUT_S):
+            nodes = await run_db(_fresh_node_names)
+            loading = await run_db(_autostart_loading)
+    except TimeoutError:
+        log.warning("readyz: the database did not answer within %.0f s", READY_CHECK_TIMEOUT_S)
+        return None, ["database did not answer in time"]
+    except Exception:  # any driver error means not ready
+        log.warning("readyz: the database check failed", exc_info=True)
+        return None, ["database unavailable"]
+    return nodes, [f"autostart models still loading: {', '.join(loading[:10])}"] if loading else []
+
+
+async def _channel_layer_reasons() -> list[str]:
+    """A ping sent to a new channel of this process comes back. Twice at most: a websocket
+    consumer that closes cancels its receive, and channels-redis may drop what that receive had
+    just popped (see live.groups.Receiver), our ping included.
+
+    The channel has the default prefix, as every receiver of the process does: channels-redis lets
+    one receive at a time wait on Redis, on its own channel's prefix, so a ping under another prefix
+    ("readyz.") waited for whichever listener held that turn: 1 to 5.8 s per ping measured, past
+    10 s under load (CI's PostgreSQL restart test)."""
+    layer = get_channel_layer()
+    for attempt in (1, 2):
+        try:
+            channel = await layer.new_channel()
+            token = uuid.uuid4().hex
+            async with asyncio.timeout(READY_CHECK_TIMEOUT_S / 2):
+                await layer.send(channel, {"type": "readyz.ping", "token": token})
+                message = await layer.receive(channel)
+            return [] if message.get("token") == token else ["channel layer: a different message came back"]
+        except TimeoutError:
+            log.warning("readyz: no answer over the channel layer (attempt %d)", attempt)
+        except Exception:
+            log.warning("readyz: the channel layer check failed", exc_info=True)
+            return ["channel layer unavailable"]
+    return ["channel layer did not answer in time"]
+
+
 @login_not_required
 async def readyz(request: HttpRequest) -> JsonResponse:
     """Ready = the database and the channel layer answer and a node agent heartbeats.
 
     Anyone may ask (load balancers do), so the reasons name what is wrong, never the driver's
-    text (hosts, users, paths): that goes to the log.
+    text (hosts, users, paths): that goes to the log. Each check is bounded: a probe that hangs
+    is worse than a 503.
     """
-    reasons: list[str] = []
-    nodes: list[str] | None = None
-    try:
-        nodes = await run_db(_fresh_node_names)
-        loading = await run_db(_autostart_loading)
-        if loading:
-            reasons.append(f"autostart models still loading: {', '.join(loading[:10])}")
-    except Exception:  # any driver error means not ready
-        log.warning("readyz: the database check failed", exc_info=True)
-        reasons.append("database unavailable")
-    try:
-        layer = get_channel_layer()
-        channel = await layer.new_channel("readyz.")
-        token = uuid.uuid4().hex
-        await layer.send(channel, {"type": "readyz.ping", "token": token})
-        message = await layer.receive(channel)
-        if message.get("token") != token:
-            reasons.append("channel layer: a different message came back")
-    except Exception:
-        log.warning("readyz: the channel layer check failed", exc_info=True)
-        reasons.append("channel layer unavailable")
+    (nodes, reasons), layer_reasons = await asyncio.gather(_database_reasons(), _channel_layer_reasons())
+    reasons += layer_reasons
     if nodes is not None and not nodes:
         reasons.append("no node agent has a fresh heartbeat")
     if reasons:

@@ -169,7 +169,7 @@ class NodeAgent:
             channel = None
             renew = None
             try:
-                channel = await layer.new_channel("agent.")
+                channel = await layer.new_channel()  # the default prefix, as every receiver (xgenconsole.views)
                 await layer.group_add(group, channel)
                 renew = asyncio.create_task(self._renew_membership(layer, group, channel))
                 while True:
