@@ -67,6 +67,10 @@ class LiveConsumer(AsyncWebsocketConsumer):
     def groups_for(self) -> list[str]:
         raise NotImplementedError
 
+    def skipped_keys(self) -> frozenset[str]:
+        """Keyed fragments of the groups that this page does not show (dropped, not sent)."""
+        return frozenset()
+
     async def connect(self) -> None:
         user = self.scope.get("user")
         if user is None or not user.is_authenticated or not user.is_active:
@@ -75,6 +79,7 @@ class LiveConsumer(AsyncWebsocketConsumer):
         self._viewer = await run_db(_viewer, user, self.scope.get("session"))
         self._groups = [g for g in self.groups_for() if GROUP_RE.match(g)] + [user_group(user.pk)]
         self._keyed: dict[str, str] = {}
+        self._skipped = self.skipped_keys()
         self._appends: list[str] = []
         self._wake = asyncio.Event()
         for group in self._groups:
@@ -117,6 +122,8 @@ class LiveConsumer(AsyncWebsocketConsumer):
 
     async def live_fragment(self, event: dict) -> None:
         key = event.get("key")
+        if key in self._skipped:
+            return
         if key:
             self._keyed.pop(key, None)  # keep arrival order: the newest goes last
             self._keyed[key] = event["html"]

@@ -130,11 +130,17 @@ def chargeback(*, start: datetime, end: datetime, group_by: str = "key", per_hou
     for hour, iid in sorted(set(busy) | set(ready)):
         info = instances.get(iid)
         gpus = info.gpus if info else 1
-        per_key, idle_s = split_hour(ready_s=ready.get((hour, iid), 0.0), gpus=gpus, busy=busy.get((hour, iid), {}))
+        used = busy.get((hour, iid))
+        if not used:  # an hour nobody used (most of them): all idle, split_hour's answer without the call
+            idle_s = max(1, gpus) * max(0.0, ready.get((hour, iid), 0.0))
+            idle[iid] += idle_s
+            series[hour]["(idle)"] += idle_s
+            continue
+        per_key, idle_s = split_hour(ready_s=ready.get((hour, iid), 0.0), gpus=gpus, busy=used)
         for who, gs in per_key.items():
             charged[who] += gs
             series[hour][who] += gs
-        for who, b in busy.get((hour, iid), {}).items():
+        for who, b in used.items():
             busy_total[who] += b
         idle[iid] += idle_s
         series[hour]["(idle)"] += idle_s

@@ -1,16 +1,23 @@
 """Websocket consumers of the instance pages (the shared LiveConsumer does the work)."""
 from __future__ import annotations
 
+from urllib.parse import parse_qs
+
 from history.samples import DEFAULT_RANGE, RANGES, dashboard_group
 from live.consumers import LiveConsumer
 from serving.events import LIST_GROUP, instance_group
 
 
 class InstancesConsumer(LiveConsumer):
-    """/ws/instances/: every instance's row on the list page."""
+    """/ws/instances/: every instance's row on the list page (?page=N: that page of it)."""
 
     def groups_for(self) -> list[str]:
         return [LIST_GROUP]
+
+    def skipped_keys(self) -> frozenset[str]:
+        # The pushed card is page 1; a later page follows its rows' state cells and the ready count.
+        page = parse_qs(self.scope.get("query_string", b"").decode("latin-1")).get("page", ["1"])[0]
+        return frozenset({"instances-card"}) if page.isascii() and page.isdigit() and int(page) > 1 else frozenset()
 
 
 class InstanceConsumer(LiveConsumer):

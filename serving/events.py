@@ -54,19 +54,24 @@ def state_changed(instance: ModelInstance, event: InstanceEvent | None = None, *
                   progress_only: bool = False) -> None:
     """Live updates after a change of the instance (sync).
 
-    A state change: the list page's whole card, the state block and (with a timeline row) the
-    timeline of its page. A progress tick (CACHING %): only that instance's state block and its
-    row's state cell; the card is not rendered again every 0.5 s.
+    A state change: the list's first page (card and ready count), the row's state cell (what
+    the later pages follow), the state block and (with a timeline row) the timeline of its page.
+    A progress tick (CACHING %): only that instance's state block and its row's state cell; the
+    card is not rendered again every 0.5 s.
     """
     if event is not None:
         routing_changed()  # every web process's routing table re-reads the database now
-    if progress_only:
-        cell = render_to_string("serving/partials/_instance_row_state.html", {"i": instance, "oob": True})
-        publish_sync(LIST_GROUP, cell, key=f"inst-row-state-{instance.pk}")
-    else:
-        # The whole list card, not rows: the consumer joins fragments into one message, and a <tr>
-        # beside a non-table element does not survive HTML parsing. Bursts coalesce by key.
-        publish_sync(LIST_GROUP, instances_card_html(oob=True), key="instances-card")
+    if not progress_only:
+        # The whole list card (page 1), not rows: the consumer joins fragments into one message, and a
+        # <tr> beside a non-table element does not survive HTML parsing. Bursts coalesce by key.
+        ctx = instances_context(can_operate=True)  # operator buttons always; viewers' pages hide them
+        publish_sync(LIST_GROUP, render_to_string("serving/partials/_instances_card.html", {**ctx, "oob": True}),
+                     key="instances-card")
+        publish_sync(LIST_GROUP, render_to_string("serving/partials/_ready_count.html", {**ctx, "oob": True}),
+                     key="ready-count")
+    # The row's state cell: all a progress tick sends, and how later pages follow their rows.
+    cell = render_to_string("serving/partials/_instance_row_state.html", {"i": instance, "oob": True})
+    publish_sync(LIST_GROUP, cell, key=f"inst-row-state-{instance.pk}")
     state = render_to_string("serving/partials/_instance_state.html", {"inst": instance, "oob": True})
     publish_sync(instance_group(instance.pk), state, key=f"inst-state-{instance.pk}")
     if event is not None:
@@ -82,22 +87,29 @@ def _on_instance_changed(sender, *, instance: ModelInstance, event: InstanceEven
     state_changed(instance, event, progress_only=progress_only)
 
 
-def instances_context(*, can_operate: bool) -> dict:
-    """What the list card shows: the newest instances, the ready count, and the card's version."""
+INSTANCES_PAGE = 50  # rows a list page renders (200 rows took 154 ms of server time; bench/pages.py)
+
+
+def instances_context(*, can_operate: bool, page: int = 1) -> dict:
+    """What the list card shows: one page of instances (newest first), the ready count, the
+    pager, and the card's version. Page 1's card is the one the websocket pushes; the others
+    keep their id apart (the push would replace them with page 1) and follow their rows' states
+    through the row-state cells every change also publishes."""
     from serving.models import ACTIVE_STATES, InstanceState
 
-    instances = list(ModelInstance.objects.select_related("node")[:200])
+    count = ModelInstance.objects.count()
+    pages = max(1, -(-count // INSTANCES_PAGE))
+    page = min(max(1, page), pages)
+    first = (page - 1) * INSTANCES_PAGE
+    instances = list(ModelInstance.objects.select_related("node")[first:first + INSTANCES_PAGE])
     active = ModelInstance.objects.filter(state__in=ACTIVE_STATES)
     return {
         "instances": instances, "can_operate": can_operate,
         "ready": active.filter(state=InstanceState.READY).count(), "total": active.count(),
         "list_version": max((i.live_version for i in instances), default=0),
+        "page": page, "pages": pages, "count": count, "first": first + 1 if instances else 0,
+        "last": first + len(instances), "card_id": "instances-card" if page == 1 else f"instances-card-p{page}",
     }
-
-
-def instances_card_html(*, oob: bool) -> str:
-    # Operator buttons are always rendered; the page hides them for viewers (CSS) and the server refuses.
-    return render_to_string("serving/partials/_instances_card.html", {**instances_context(can_operate=True), "oob": oob})
 
 
 def log_fragment(lines: list[str], offset: int) -> str:

@@ -365,6 +365,11 @@ class InstanceEvent(models.Model):
 
     class Meta:
         ordering = ["at", "pk"]
+        indexes = [  # the timeline and chargeback's "state when the range began" (per instance), and
+            # the chargeback's events in a range: scans of the whole table before (bench/pages.py /usage/)
+            models.Index(fields=["instance", "at"], name="instanceevent_instance_at"),
+            models.Index(fields=["at"], name="instanceevent_at"),
+        ]
 
 
 class MemoryMeasurement(models.Model):

@@ -36,7 +36,9 @@ def _can_operate(request: HttpRequest) -> bool:
 
 @require_GET
 def instances_page(request: HttpRequest) -> HttpResponse:
-    ctx = instances_context(can_operate=_can_operate(request))
+    raw = request.GET.get("page", "1")
+    page = int(raw) if ASCII_INT_RE.match(raw) else 1  # past the last page: the last one
+    ctx = instances_context(can_operate=_can_operate(request), page=page)
     for inst in ctx["instances"]:  # this process's queue (max_concurrency); the page shows it on load
         inst.queue_depth = queue_depth(inst.model_name)
     if request.htmx:  # the websocket (re)connected: catch up on what happened before it

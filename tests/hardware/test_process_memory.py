@@ -43,7 +43,9 @@ def test_a_cpu_group_is_measured_by_its_resident_memory():
         assert len(pids) == 2 and proc.pid in pids
         measured = measure_group(proc.pid, [])
         assert measured.source == "rss" and measured.pids == pids
-        assert measured.total_mib == rss_mib(pids) and measured.total_mib >= 2 * 64  # both touched 64 MiB
+        assert measured.total_mib >= 2 * 64  # both touched 64 MiB
+        # Read again a moment later: the same within a few MiB (a loaded machine still faults pages in).
+        assert abs(measured.total_mib - rss_mib(pids)) <= 4, (measured.total_mib, rss_mib(pids))
     finally:
         os.killpg(proc.pid, 9)
         proc.wait()

@@ -214,3 +214,65 @@ def test_the_verdict_lists_every_backend_the_default_first_with_why(node, operat
     assert "default" in text["llama-cpp-python"] and "GGUF on CPU-only -&gt; llama-cpp-python" in text["llama-cpp-python"]
     assert "can run it if chosen" in text["llama-server"]
     assert "(cannot)" in text["vllm"] and "vllm cannot serve a gguf model" in text["vllm"]
+
+
+def _many_instances(node, count: int) -> list:
+    from serving.models import InstanceState, ModelInstance
+
+    ModelInstance.objects.bulk_create(
+        ModelInstance(model_name=f"m-{i:03}", model_path=f"gguf/m-{i:03}", backend="llama-cpp-python", node=node,
+                      state=InstanceState.READY if i % 2 else InstanceState.PENDING) for i in range(count))
+    return list(ModelInstance.objects.all())  # newest first
+
+
+@pytest.mark.django_db
+def test_the_instances_list_comes_in_pages_of_fifty_newest_first(node, viewer):
+    from serving.events import INSTANCES_PAGE
+
+    newest_first = _many_instances(node, 2 * INSTANCES_PAGE + 20)
+    c = logged_in(viewer)
+    first = c.get("/instances/").content.decode()
+    assert first.count('<tr id="inst-row-') == INSTANCES_PAGE
+    assert f'id="inst-row-{newest_first[0].pk}"' in first and f'id="inst-row-{newest_first[50].pk}"' not in first
+    assert "page 1 of 3 · 1–50 of 120 instances" in first and '?page=2">Older' in first and "Newer" not in first
+    assert '<div id="instances-card"' in first and 'ws-connect="/ws/instances/"' in first
+    assert "60 ready of 120 active" in first  # the count is of every instance, not the page's
+    last = c.get("/instances/?page=3").content.decode()
+    assert last.count('<tr id="inst-row-') == 20 and f'id="inst-row-{newest_first[-1].pk}"' in last
+    assert "page 3 of 3 · 101–120 of 120 instances" in last and '?page=2">← Newer' in last and "Older" not in last
+    # Page 1's card is the one the websocket pushes: a later page keeps its own id and socket.
+    assert '<div id="instances-card-p3"' in last and 'ws-connect="/ws/instances/?page=3"' in last
+    assert 'hx-get="/instances/?page=3"' in last  # the catch-up after a reconnect fetches this page
+    for odd in ("99", "0", "-1", "abc", "²", "1" * 40):
+        r = c.get("/instances/", {"page": odd})
+        assert r.status_code == 200, odd
+    assert "page 3 of 3" in c.get("/instances/?page=99").content.decode()
+    assert "page 1 of 3" in c.get("/instances/?page=abc").content.decode()
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_a_later_page_gets_its_rows_states_and_the_count_but_not_page_one(node, viewer):
+    from serving.consumers import InstancesConsumer
+
+    newest_first = await sync_to_async(_many_instances)(node, 60)
+    oldest = newest_first[-1]
+    sockets = {}
+    for page in ("", "?page=2"):
+        ws = WebsocketCommunicator(InstancesConsumer.as_asgi(), f"/ws/instances/{page}")
+        ws.scope["user"] = viewer.user
+        ws.scope["query_string"] = page.lstrip("?").encode()
+        assert (await ws.connect())[0]
+        sockets[page] = ws
+    try:
+        await sync_to_async(lambda: oldest.mark_caching(30.0))()
+        first = await sockets[""].receive_from(timeout=3)
+        second = ""
+        while "ready-count" not in second or "inst-row-state" not in second:  # one flush or more
+            second += await sockets["?page=2"].receive_from(timeout=3)
+    finally:
+        for ws in sockets.values():
+            await ws.disconnect()
+    assert first.startswith('<div id="instances-card"') and f'id="inst-row-{oldest.pk}"' not in first
+    assert "instances-card" not in second
+    assert f'<div id="inst-row-state-{oldest.pk}"' in second and "CACHING 30%" in second
+    assert 'id="ready-count" hx-swap-oob="true">30 ready of 60 active' in second
