@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from django.urls import reverse
+
 from hardware.models import GpuDevice, Node
 
 
@@ -27,21 +29,23 @@ def _whole(value: float | None) -> str | None:
 
 @dataclass
 class GpuRow:
-    """One GPU's row, its figures formatted once here: 160 rows through the template's filters
-    (floatformat, widthratio, number localization) took 88 ms of the GPUs page (bench/pages.py)."""
+    """One GPU and its holder; `cells` is what the GPUs page prints of it, formatted once and held
+    in a dict: 160 rows through the template's attribute lookups and filters (floatformat,
+    widthratio, number localization) took 88 ms of that page (bench/pages.py), and a dict is the
+    one lookup Django's templates try first."""
     gpu: GpuDevice
     holder: Holder | None
-    memory: str = field(init=False)
-    used_pct: str = field(init=False)
-    utilization: str | None = field(init=False)
-    temperature: str | None = field(init=False)
+    cells: dict = field(init=False)
 
     def __post_init__(self) -> None:
-        g = self.gpu
-        self.memory = f"{g.memory_used_mib} / {g.memory_total_mib} MiB"
-        self.used_pct = _whole(g.memory_used_pct)
-        self.utilization = _whole(g.utilization_pct)
-        self.temperature = _whole(g.temperature_c)
+        g, h = self.gpu, self.holder
+        self.cells = {
+            "row_id": f"gpu-{g.node_id}-{g.index}", "index": str(g.index), "name": g.name, "kind": f"{g.vendor} {g.arch}", "type": g.type,
+            "memory": f"{g.memory_used_mib} / {g.memory_total_mib} MiB", "used_pct": _whole(g.memory_used_pct),
+            "utilization": _whole(g.utilization_pct), "temperature": _whole(g.temperature_c),
+            "holder": None if h is None else {"name": h.model_name, "state": h.state,
+                                              "url": reverse("instance-detail", args=[h.id])},
+        }
 
 
 @dataclass

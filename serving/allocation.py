@@ -9,14 +9,14 @@ from serving.models import ACTIVE_STATES, ModelInstance
 
 def active_holders(node: Node | None = None) -> list[tuple[int, list[int], Holder]]:
     """(node id, GPU indexes, holder) for every active instance, of `node` or of every node (one query)."""
-    qs = ModelInstance.objects.filter(state__in=ACTIVE_STATES).only("id", "node_id", "gpus", "model_name", "state",
-                                                                    "estimated_memory_mib")
+    qs = ModelInstance.objects.filter(state__in=ACTIVE_STATES)
     if node is not None:
         qs = qs.filter(node=node)
-    return [(inst.node_id, list(inst.gpus or []),
-             Holder(id=inst.pk, model_name=inst.model_name, state=inst.state,
-                    memory_mib=(inst.estimated_memory_mib or 0) // max(1, len(inst.gpus or []))))
-            for inst in qs]
+    # values_list, not model instances: the GPUs page asks for every active instance (bench/pages.py)
+    return [(node_id, list(gpus or []),
+             Holder(id=pk, model_name=name, state=state, memory_mib=(estimate or 0) // max(1, len(gpus or []))))
+            for pk, node_id, gpus, name, state, estimate in
+            qs.values_list("id", "node_id", "gpus", "model_name", "state", "estimated_memory_mib")]
 
 
 def cache_users(node_name: str) -> dict[str, list]:

@@ -74,3 +74,31 @@ def test_chargeback_on_two_instances_and_two_keys_with_known_busy_times():
     by_user = chargeback(start=hour, end=hour + timedelta(hours=1), group_by="user")
     assert by_user["items"] == [{"user": "u", "gpu_seconds": 3000.0, "busy_seconds": 1800.0,
                                  "share": round(3000 / 9000, 6)}]
+
+
+@pytest.mark.django_db
+def test_the_usage_page_lists_the_twenty_most_idle_and_links_to_all(viewer):
+    from django.test import Client
+    from django.utils import timezone
+
+    from hardware.models import Node
+    from serving.models import InstanceEvent, ModelInstance
+
+    node = Node.objects.create(name="n", address="127.0.0.1", last_heartbeat=timezone.now())
+    since = timezone.now() - timedelta(hours=2)
+    for i in range(25):  # READY for 2 h, each on i + 1 GPUs: the most idle is the widest
+        inst = ModelInstance.objects.create(model_name=f"m{i}", model_path="/m", backend="b", node=node,
+                                            gpus=list(range(i + 1)), state="READY")
+        InstanceEvent.objects.create(instance=inst, at=since, to_state="READY")
+    c = Client()
+    c.force_login(viewer.user)
+    page = c.get("/usage/", {"range": "24h"}).content.decode()
+    idle_table = page[page.index('id="idle-table"'):page.index("</table>", page.index('id="idle-table"'))]
+    assert idle_table.count("<tr>") == 1 + 20  # the header and the 20 most idle
+    assert "<td>m24</td>" in idle_table and "<td>m4</td>" not in idle_table
+    more = page[page.index('id="idle-more"'):]
+    assert "The 20 most idle of 25 instances" in more
+    url = more[more.index('href="') + 6:more.index('">the chargeback API')].replace("&amp;", "&")
+    answer = c.get(url)
+    assert answer.status_code == 200, answer.content
+    assert len(answer.json()["idle"]) == 25
