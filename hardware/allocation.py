@@ -40,7 +40,8 @@ class GpuRow:
     def __post_init__(self) -> None:
         g, h = self.gpu, self.holder
         self.cells = {
-            "row_id": f"gpu-{g.node_id}-{g.index}", "index": str(g.index), "name": g.name, "kind": f"{g.vendor} {g.arch}", "type": g.type,
+            "row_id": f"gpu-{g.node_id}-{g.index}", "index": str(g.index), "name": g.name,
+            "kind": f"{g.vendor} {g.arch}", "type": g.type,
             "memory": f"{g.memory_used_mib} / {g.memory_total_mib} MiB", "used_pct": _whole(g.memory_used_pct),
             "utilization": _whole(g.utilization_pct), "temperature": _whole(g.temperature_c),
             "holder": None if h is None else {"name": h.model_name, "state": h.state,

@@ -50,18 +50,28 @@ class Receiver:
     trips lost beside two receivers cancelled every 3 and 7 ms. So the receive runs as a task that
     outlives a timeout, and the next wait takes up the same task. Every receiver of a process uses
     the default channel prefix: one receive at a time waits on Redis, on its own prefix's key.
+
+    A receive with no message for RESTART_S is started afresh (cancelled: the one rare moment a
+    message could be lost, and every listener also polls), so a connection that went silent
+    without an error (a network cut, no reset) holds the process's receivers RESTART_S at most.
     """
+
+    RESTART_S = 30.0
 
     def __init__(self, layer, channel: str) -> None:
         self.layer = layer
         self.channel = channel
         self._task: asyncio.Task | None = None
+        self._since = 0.0
 
     async def receive(self, timeout: float) -> dict | None:
         """The next message, or None after `timeout` seconds (the receive goes on for the next call).
         Raises what the receive raised (the layer is down)."""
+        if self._task is not None and time.monotonic() - self._since > self.RESTART_S:
+            self.close()
         if self._task is None:
             self._task = asyncio.ensure_future(self.layer.receive(self.channel))
+            self._since = time.monotonic()
         try:
             done, _ = await asyncio.wait({self._task}, timeout=timeout)
         except asyncio.CancelledError:

@@ -17,7 +17,8 @@ class InstancesConsumer(LiveConsumer):
     def skipped_keys(self) -> frozenset[str]:
         # The pushed card is page 1; a later page follows its rows' state cells and the ready count.
         page = parse_qs(self.scope.get("query_string", b"").decode("latin-1")).get("page", ["1"])[0]
-        return frozenset({"instances-card"}) if page.isascii() and page.isdigit() and int(page) > 1 else frozenset()
+        later = len(page) <= 6 and page.isascii() and page.isdigit() and int(page) > 1
+        return frozenset({"instances-card"}) if later else frozenset()
 
 
 class InstanceConsumer(LiveConsumer):

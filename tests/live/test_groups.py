@@ -102,3 +102,22 @@ async def test_readyz_pings_the_layer_beside_the_process_listeners(redis_layer):
         await asyncio.gather(*tasks, return_exceptions=True)
     # No node agent runs here (so 503), but the channel layer answered every time.
     assert all(a["reasons"] == ["no node agent has a fresh heartbeat"] for a in answers), answers
+
+
+async def test_a_receive_with_no_message_for_long_is_started_afresh(redis_layer, monkeypatch):
+    """A connection gone silent without an error must not hold the process's receivers for good."""
+    from live.groups import Receiver
+
+    monkeypatch.setattr(Receiver, "RESTART_S", 0.2)
+    receiver = Receiver(redis_layer, await redis_layer.new_channel())
+    before = asyncio.all_tasks()
+    assert await receiver.receive(0.05) is None
+    first = next(iter(asyncio.all_tasks() - before))
+    assert await receiver.receive(0.05) is None and not first.done()  # within RESTART_S: the same receive
+    await asyncio.sleep(0.2)
+    assert await receiver.receive(0.05) is None
+    await asyncio.sleep(0)
+    assert first.cancelled()
+    await redis_layer.send(receiver.channel, {"type": "after", "n": 1})
+    assert (await receiver.receive(2))["n"] == 1  # the new receive gets what comes next
+    receiver.close()
