@@ -51,3 +51,39 @@ def test_upload_browse_and_delete(console, page, tiny_gguf):
     dialog.get_by_role("button", name="Delete").click()
     assert "Deleted gguf/page-upload" in page.locator(".messages").inner_text()
     assert page.locator("tr[data-prefix='gguf/page-upload']").count() == 0
+
+
+def test_an_upload_that_ends_while_the_page_is_disconnected_shows_its_end_on_reconnect(console, page, tiny_gguf):
+    """The page's websockets are held (they never reach the server), so the upload's fragments
+    are missed; once the socket drops and htmx connects again, the page catches up on open (it
+    did only when a hidden tab came back: the upload showed RUNNING for good; CI saw it once
+    with a socket that joined after the upload ended)."""
+    import re
+    import time
+
+    held, release = [], []
+
+    def route(ws):
+        if release:
+            ws.connect_to_server()
+        else:
+            held.append(ws)  # mocked: the page sees it open, the server never does
+
+    page.route_web_socket(re.compile(r"/ws/uploads/$"), route)
+    login(page, console.url, console.admin_user, console.admin_password)
+    page.wait_for_url(lambda url: "/accounts/login/" not in url)
+    page.goto(f"{console.url}/models/upload/")
+    page.fill("#name", "late-page")
+    page.fill("#local_path", str(tiny_gguf))
+    page.click("#upload-form button[type=submit]")
+    row = page.locator("article.upload").first
+    job_id = row.get_attribute("id").removeprefix("upload-")
+    deadline = time.monotonic() + 30
+    while page.request.get(f"{console.url}/api/storage/uploads/{job_id}").json()["status"] != "COMPLETED":
+        assert time.monotonic() < deadline, "the upload did not complete"
+        time.sleep(0.2)
+    assert row.get_attribute("data-status") != "COMPLETED"  # nothing reached the page yet
+    release.append(True)
+    held[-1].close(code=1012)  # the page's socket drops ("service restart"); htmx connects again
+    page.wait_for_function("() => document.querySelector('article.upload')?.dataset.status === 'COMPLETED'",
+                           timeout=30_000)
