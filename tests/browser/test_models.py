@@ -53,11 +53,11 @@ def test_upload_browse_and_delete(console, page, tiny_gguf):
     assert page.locator("tr[data-prefix='gguf/page-upload']").count() == 0
 
 
-def test_an_upload_that_ends_while_the_page_is_disconnected_shows_its_end_on_reconnect(console, page, tiny_gguf):
-    """The page's websockets are held (they never reach the server), so the upload's fragments
-    are missed; once the socket drops and htmx connects again, the page catches up on open (it
-    did only when a hidden tab came back: the upload showed RUNNING for good; CI saw it once
-    with a socket that joined after the upload ended)."""
+def test_an_upload_made_while_the_page_is_disconnected_shows_on_reconnect(console, page, tiny_gguf):
+    """The page's websockets are held (they never reach the server), so an upload started and
+    ended through the API never reaches the page; once the socket drops and htmx connects again,
+    the page catches up on open (it did only when a hidden tab came back: a job that ended before
+    the page's socket joined showed RUNNING for good; CI saw it once)."""
     import re
     import time
 
@@ -73,17 +73,21 @@ def test_an_upload_that_ends_while_the_page_is_disconnected_shows_its_end_on_rec
     login(page, console.url, console.admin_user, console.admin_password)
     page.wait_for_url(lambda url: "/accounts/login/" not in url)
     page.goto(f"{console.url}/models/upload/")
-    page.fill("#name", "late-page")
-    page.fill("#local_path", str(tiny_gguf))
-    page.click("#upload-form button[type=submit]")
-    row = page.locator("article.upload").first
-    job_id = row.get_attribute("id").removeprefix("upload-")
+    # The (mocked) socket is open and the page's catch-up on opening it is done: from here on only
+    # a new connection can bring the page anything.
+    page.locator("#live-indicator:not(.down)").wait_for(state="visible")
+    page.wait_for_load_state("networkidle")
+    csrf = next(c["value"] for c in page.context.cookies() if c["name"] == "csrftoken")
+    answer = page.request.post(f"{console.url}/api/storage/upload", headers={"X-CSRFToken": csrf},
+                               data={"local_path": str(tiny_gguf), "format": "gguf", "name": "late-page"})
+    assert answer.status == 202, answer.text()
+    job_id = answer.json()["id"]
     deadline = time.monotonic() + 30
     while page.request.get(f"{console.url}/api/storage/uploads/{job_id}").json()["status"] != "COMPLETED":
         assert time.monotonic() < deadline, "the upload did not complete"
         time.sleep(0.2)
-    assert row.get_attribute("data-status") != "COMPLETED"  # nothing reached the page yet
+    assert page.locator(f"#upload-{job_id}").count() == 0  # nothing reached the page
     release.append(True)
     held[-1].close(code=1012)  # the page's socket drops ("service restart"); htmx connects again
-    page.wait_for_function("() => document.querySelector('article.upload')?.dataset.status === 'COMPLETED'",
+    page.wait_for_function(f"() => document.querySelector('#upload-{job_id}')?.dataset.status === 'COMPLETED'",
                            timeout=30_000)
