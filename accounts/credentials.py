@@ -16,7 +16,6 @@ that `put` checks, so a revoke landing between the read and the put never re-cac
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import threading
@@ -34,6 +33,7 @@ from accounts.errors import ErrorAnswer
 from accounts.models import ROLE_RANK, ApiKey, Role, hash_key
 from live.db import db_async, run_db
 from live.groups import GroupListener, send, send_sync
+from live.tasks import cancel_and_wait
 
 log = logging.getLogger("xgen.accounts")
 
@@ -306,10 +306,7 @@ class CredentialUpkeep:
     async def stop(self) -> None:
         """Stop listening and write what is left (process shutdown)."""
         task, self._task = self._task, None
-        if task is not None and not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await cancel_and_wait(task)
         if _last_used:
             try:
                 await run_db(flush_last_used)

@@ -15,7 +15,6 @@ start from, and the agent's worker that prunes the request log.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import threading
 import time
@@ -27,6 +26,7 @@ from django.conf import settings
 
 from history.samples import ModelCounter, ModelSlot, write_model_slots
 from live.db import db_async, run_db
+from live.tasks import cancel_and_wait
 from serving.node.worker import AgentWorker
 
 if TYPE_CHECKING:
@@ -265,10 +265,7 @@ class UsageRecorder:
     async def stop(self) -> None:
         """Stop the loop and write the rest (process shutdown)."""
         task, self._task = self._task, None
-        if task is not None and not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await cancel_and_wait(task)
         await self.flush()
 
 

@@ -32,6 +32,7 @@ from django.conf import settings
 
 from accounts.credentials import Principal
 from live.db import run_db
+from live.tasks import cancel_and_wait
 
 log = logging.getLogger("xgen.proxy")
 
@@ -436,10 +437,7 @@ class RedisLimiter(RateLimiter):
 
     async def close(self) -> None:
         task, self._flusher = self._flusher, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await cancel_and_wait(task)
         with contextlib.suppress(Exception):
             await self.flush()
         with contextlib.suppress(Exception):

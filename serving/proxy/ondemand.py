@@ -28,6 +28,7 @@ from datetime import UTC, datetime
 from django.conf import settings
 
 from live.db import run_db
+from live.tasks import cancel_and_wait
 from serving.proxy import metrics
 from serving.proxy.errors import ProxyError
 from serving.proxy.replicas import Backend, RoutingSnapshot, Standby, routing_table
@@ -80,10 +81,7 @@ class Activity:
 
     async def stop(self) -> None:
         task, self._task = self._task, None
-        if task is not None and not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await cancel_and_wait(task)
         with contextlib.suppress(Exception):
             await self.flush()
 

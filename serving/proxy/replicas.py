@@ -23,6 +23,7 @@ from django.conf import settings
 
 from live.db import DatabaseUnavailable, run_db
 from live.groups import GroupListener
+from live.tasks import cancel_and_wait
 
 log = logging.getLogger("xgen.proxy")
 
@@ -205,10 +206,7 @@ class RoutingTable:
     async def stop(self) -> None:
         """Stop the background refresh (process shutdown)."""
         task, self._listener = self._listener, None
-        if task is not None and not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await cancel_and_wait(task)
 
     async def _load(self) -> RoutingSnapshot:
         rows, names, standby = await run_db(_read_rows)
