@@ -300,8 +300,31 @@ def _write(buckets: dict[BucketKey, _Counts], rows: list[dict],
                 UsageBucket.objects.filter(**where).update(**increments)
         write_model_slots(slots or {})
         if rows:
-            RequestLog.objects.bulk_create(
-                [RequestLog(**{**r, "at": datetime.fromtimestamp(r["at"], tz=UTC)}) for r in rows], batch_size=500)
+            _insert_request_rows(RequestLog, rows)
+
+
+# The request log's columns, in the order _log builds a row's values.
+REQUEST_LOG_FIELDS = ("at", "request_id", "key_id", "key_name", "username", "model", "instance_id", "node",
+                      "status", "error", "ttft_ms", "duration_ms", "prompt_tokens", "completion_tokens", "stream",
+                      "client")
+
+
+def _insert_request_rows(model, rows: list[dict], *, using: str = "default") -> None:
+    """The request-log rows in one prepared INSERT (executemany): as the ORM's bulk_create writes
+    them, without a model instance per row, CPU that web processes spend holding the GIL beside
+    the proxy's loop (a row per request, 1,000+ a second under load)."""
+    from django.db import connections
+
+    connection = connections[using]
+    quote = connection.ops.quote_name
+    columns = ", ".join(quote(model._meta.get_field(name).column) for name in REQUEST_LOG_FIELDS)
+    adapt = connection.ops.adapt_datetimefield_value
+    rest = REQUEST_LOG_FIELDS[1:]
+    params = [(adapt(datetime.fromtimestamp(r["at"], tz=UTC)), *(r[name] for name in rest)) for r in rows]
+    sql = (f"INSERT INTO {quote(model._meta.db_table)} ({columns}) "
+           f"VALUES ({', '.join(['%s'] * len(REQUEST_LOG_FIELDS))})")
+    with connection.cursor() as cursor:
+        cursor.executemany(sql, params)
 
 
 _awrite = db_async(_write, retry=False)  # a write must not run twice: a lost connection keeps it for the next try
