@@ -596,12 +596,16 @@ async def passthrough(reply: UpstreamReply, send, timing, *, shape_error=openai_
         await send({"type": "http.response.body", "body": data})
         return
     await send({"type": "http.response.start", "status": reply.status, "headers": [*reply.headers(), timing(0.0)]})
+    ended = False
     async with contextlib.aclosing(reply.chunks()) as stream:
-        async for chunk in stream:
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
-    # A JSON body the backend cut off ends here too: daphne would hang on an unfinished response,
-    # and the truncated JSON already tells the client it is broken.
-    await send({"type": "http.response.body", "body": b"", "more_body": False})
+        async for chunk in stream:  # read to its end even after the last chunk: that counts its usage
+            if not ended:
+                ended = reply.last_chunk  # nothing can follow: the body and its end in one write
+                await send({"type": "http.response.body", "body": chunk, "more_body": not ended})
+    if not ended:
+        # A JSON body the backend cut off ends here too: daphne would hang on an unfinished
+        # response, and the truncated JSON already tells the client it is broken.
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 async def _cold_candidates(scope, receive, send, payload: dict, route: Route, ctx: RequestContext

@@ -99,6 +99,7 @@ class UpstreamReply:
     busy_mark: float = 0.0
     first_chunk_s: float | None = None
     text_events: int = 0  # SSE events with generated text, for a stream without usage
+    last_chunk: bool = False  # the chunk chunks() just yielded is the body's last
     _finished: bool = False
 
     @property
@@ -157,8 +158,9 @@ class UpstreamReply:
         pending_size = 0
         limit = settings.PROXY_MAX_SSE_EVENT_BYTES
         strip = sse and self.ctx is not None and self.ctx.drop_usage_chunk
+        content = self.response.content
         try:
-            async for chunk in self.response.content.iter_any():
+            async for chunk in content.iter_any():
                 if self.first_chunk_s is None:
                     self.first_chunk_s = time.perf_counter() - self.started
                 tail = chunk[-USAGE_TAIL:] if len(chunk) >= USAGE_TAIL else (tail + chunk)[-USAGE_TAIL:]
@@ -182,6 +184,9 @@ class UpstreamReply:
                         chunk = strip_usage_events(chunk)
                         if not chunk:
                             continue
+                # The backend's answer ended in the read that brought these bytes: they are the
+                # last (the relay sends them with the response's end, one write instead of two).
+                self.last_chunk = not pending and content.at_eof()
                 yield chunk
             clean = True
             if pending:
