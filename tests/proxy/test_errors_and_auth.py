@@ -244,3 +244,21 @@ def test_a_json_answer_cut_by_the_backend_reaches_the_client_as_cut(served):
         served.ids = served.set_instances(served.rows)
         served.wait_models({"echo", "dropper"})
     assert httpx.get(f"{served.url}/v1/models", headers=served.auth).status_code == 200
+
+
+def test_new_request_ids_are_uuid7_and_ordered_by_time():
+    import time
+    import uuid
+
+    from serving.proxy.app import new_request_id
+
+    first = [new_request_id() for _ in range(5000)]
+    time.sleep(0.003)
+    later = new_request_id()
+    assert len(set(first)) == len(first)
+    for value in (*first[:50], later):
+        parsed = uuid.UUID(hex=value)
+        assert re.fullmatch(r"[0-9a-f]{32}", value) and parsed.version == 7 and parsed.variant == uuid.RFC_4122
+        assert abs(int(value[:12], 16) - time.time() * 1000) < 60_000  # its first 48 bits: now, in ms
+    assert all(later > v for v in first)  # a later millisecond sorts after every earlier id
+    assert sorted(first, key=lambda v: v[:12]) == first  # the time prefix never goes back
