@@ -109,6 +109,7 @@ class InstanceUsage:
         self.series.update(
             latency=LATENCY.labels(self.model, inst), first_byte=FIRST_BYTE.labels(self.model, inst),
             prompt=TOKENS.labels(self.model, inst, "prompt"), completion=TOKENS.labels(self.model, inst, "completion"),
+            proxy=PROXY_TIME.labels(self.model, inst), upstream=UPSTREAM_TIME.labels(self.model, inst),
         )
 
 
@@ -116,13 +117,18 @@ _usage: dict[tuple[str, int], InstanceUsage] = {}
 _lock = threading.Lock()
 
 
-def record(*, model: str, instance_id: int, status: int, duration_s: float, first_byte_s: float | None,
-           prompt_tokens: int = 0, completion_tokens: int = 0, error: str | None = None) -> None:
-    """Count one request that reached a backend."""
+def _usage_of(model: str, instance_id: int) -> InstanceUsage:
     with _lock:
         usage = _usage.get((model, instance_id))
         if usage is None:
             usage = _usage[(model, instance_id)] = InstanceUsage(model=model, instance_id=instance_id)
+    return usage
+
+
+def record(*, model: str, instance_id: int, status: int, duration_s: float, first_byte_s: float | None,
+           prompt_tokens: int = 0, completion_tokens: int = 0, error: str | None = None) -> None:
+    """Count one request that reached a backend."""
+    usage = _usage_of(model, instance_id)
     series = usage.series
     requests = series.get(status)
     if requests is None:
@@ -153,9 +159,9 @@ def record(*, model: str, instance_id: int, status: int, duration_s: float, firs
 
 def record_timing(*, model: str, instance_id: int, proxy_s: float, upstream_s: float) -> None:
     """The two Server-Timing figures of one proxied answer."""
-    inst = str(instance_id)
-    PROXY_TIME.labels(model, inst).observe(proxy_s)
-    UPSTREAM_TIME.labels(model, inst).observe(upstream_s)
+    series = _usage_of(model, instance_id).series
+    series["proxy"].observe(proxy_s)
+    series["upstream"].observe(upstream_s)
 
 
 def record_rejected(code: str) -> None:
