@@ -39,6 +39,13 @@ log = logging.getLogger("xgen.accounts")
 
 CREDENTIALS_GROUP = "accounts.credentials"
 STALE_FACTOR = 10  # a cached entry is served (while it is re-read) up to this many TTLs old
+# An entry looked up within its serving window (STALE_FACTOR TTLs) is re-read by the process's
+# upkeep loop once it is this fraction of its TTL old, so a key in use is fresh when its next
+# request comes, however long the gap (a refresh started by the request itself ran beside it:
+# +2 ms on that request, measured).
+REFRESH_AHEAD = 0.5
+REFRESH_QUIET_S = 0.25  # ...when it has not been looked up for this long (a read beside a request slows it),
+REFRESH_LATEST = 0.9  # ...or anyway once it is this fraction of its TTL old (a key in constant use)
 LAST_USED_FLUSH_S = 10.0
 _ORIGIN = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"  # this process, to skip its own pushes
 
@@ -90,6 +97,7 @@ class PrincipalCache:
     def __init__(self, ttl_s: float | Callable[[], float]) -> None:
         self._ttl = ttl_s
         self._entries: dict[str, tuple[float, Principal | None]] = {}
+        self._used: dict[str, float] = {}  # credential -> when a request last looked it up
         self._lock = threading.Lock()
         self._generation = 0
 
@@ -104,12 +112,39 @@ class PrincipalCache:
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
+            self._used.clear()
             self._generation += 1
 
     def forget(self, credential: str) -> None:
         with self._lock:
             self._entries.pop(credential, None)
+            self._used.pop(credential, None)
             self._generation += 1
+
+    def mark_used(self, credential: str) -> None:
+        self._used[credential] = time.monotonic()
+
+    def due_for_refresh(self) -> list[str]:
+        """Entries looked up within their serving window, now REFRESH_AHEAD of their TTL old and
+        quiet for REFRESH_QUIET_S (or REFRESH_LATEST old): to be re-read in the background, off
+        any request's path. Entries not looked up for STALE_FACTOR TTLs are left to expire."""
+        ttl = self._ttl_s()
+        if ttl <= 0 or not self._used:
+            return []
+        now = time.monotonic()
+        window = ttl * STALE_FACTOR
+        with self._lock:
+            due = []
+            for credential, used_at in list(self._used.items()):
+                entry = self._entries.get(credential)
+                if entry is None or now - used_at >= window:
+                    del self._used[credential]
+                    continue
+                age = now - entry[0]
+                if ttl * REFRESH_AHEAD <= age < window and (now - used_at >= REFRESH_QUIET_S
+                                                             or age >= ttl * REFRESH_LATEST):
+                    due.append(credential)
+            return due
 
     def peek(self, credential: str) -> tuple[str, Principal | None]:
         """(MISS | FRESH | STALE, principal); an expired key's principal reads as None."""
@@ -177,6 +212,21 @@ _aload_key = db_async(_load_key)
 _refreshing: set[str] = set()
 
 
+def _reload_keys(digests: list[str]) -> int:
+    """Re-read the cached keys `digests` in one query (the upkeep's refresh ahead); returns how
+    many were read. A key gone or no longer usable is cached as refused."""
+    generation = key_cache.generation
+    found = {k.key_hash: k for k in ApiKey.objects.select_related("user").filter(key_hash__in=digests)}
+    for digest in digests:
+        key = found.get(digest)
+        key_cache.put(digest, principal_for_key(key) if key is not None and key.is_usable else None,
+                      generation=generation)
+    return len(digests)
+
+
+_areload_keys = db_async(_reload_keys)
+
+
 def lookup_key(raw: str) -> Principal | None:
     """The principal for a raw bearer key, or None (sync callers: Ninja's bearer auth)."""
     if not raw or len(raw) > 200:
@@ -200,12 +250,18 @@ async def alookup_key(raw: str) -> Principal | None:
     state, principal = key_cache.peek(digest)
     if state == MISS:
         principal = await _aload_key(digest)
-    elif state == STALE and digest not in _refreshing:
-        _refreshing.add(digest)
-        asyncio.get_running_loop().create_task(_revalidate(digest))
+    elif state == STALE:
+        _start_revalidate(digest)
     if principal is not None:
+        key_cache.mark_used(digest)
         touch_key(principal.key_id)
     return principal
+
+
+def _start_revalidate(digest: str) -> None:
+    if digest not in _refreshing:
+        _refreshing.add(digest)
+        asyncio.get_running_loop().create_task(_revalidate(digest))
 
 
 async def _revalidate(digest: str) -> None:
@@ -271,8 +327,9 @@ def _apply_change(scope: str, credential: str | None) -> None:
 
 
 class CredentialUpkeep:
-    """Per process, in its event loop: applies changes pushed by other processes, and writes
-    last_used_at every LAST_USED_FLUSH_S (and at stop)."""
+    """Per process, in its event loop: applies changes pushed by other processes, re-reads the
+    keys and sessions in use before they go stale (REFRESH_AHEAD), and writes last_used_at every
+    LAST_USED_FLUSH_S (and at stop)."""
 
     def __init__(self) -> None:
         self._task: asyncio.Task | None = None
@@ -297,6 +354,7 @@ class CredentialUpkeep:
             message = await listener.receive(1.0)
             if message is not None and message.get("origin") != _ORIGIN:
                 _apply_change(str(message.get("scope")), message.get("credential"))
+            _refresh_ahead()
             if _last_used and time.monotonic() - _last_flush[0] > LAST_USED_FLUSH_S:
                 try:
                     await run_db(flush_last_used)
@@ -307,6 +365,8 @@ class CredentialUpkeep:
         """Stop listening and write what is left (process shutdown)."""
         task, self._task = self._task, None
         await cancel_and_wait(task)
+        refresh, _refresh_task[0] = _refresh_task[0], None
+        await cancel_and_wait(refresh)
         if _last_used:
             try:
                 await run_db(flush_last_used)
@@ -315,6 +375,34 @@ class CredentialUpkeep:
 
 
 upkeep = CredentialUpkeep()
+
+
+_refresh_task: list[asyncio.Task | None] = [None]
+
+
+def _refresh_ahead() -> None:
+    """Keys in use stay fresh between their requests (one query for all that are due, 500 at a
+    time), sessions in use likewise; in a task of its own, so that a slow database never holds up
+    the changes pushed to the upkeep loop (one such task at a time)."""
+    task = _refresh_task[0]
+    if task is not None and not task.done():
+        return
+    digests = [d for d in key_cache.due_for_refresh() if d not in _refreshing]
+    for session_key in session_cache.due_for_refresh():
+        _start_revalidate_session(session_key)
+    if digests:
+        _refresh_task[0] = asyncio.get_running_loop().create_task(_reload_in_batches(digests))
+
+
+async def _reload_in_batches(digests: list[str]) -> None:
+    _refreshing.update(digests)
+    try:
+        for start in range(0, len(digests), 500):
+            await _areload_keys(digests[start:start + 500])
+    except Exception as exc:  # the database is down: the entries are served until it is back
+        log.debug("key refresh ahead failed: %s", exc)
+    finally:
+        _refreshing.difference_update(digests)
 
 
 # ---------------------------------------------------------------- sessions
@@ -354,10 +442,17 @@ async def _session_lookup(session_key: str) -> Principal | None:
     state, principal = session_cache.peek(session_key)
     if state == MISS:
         return await _asession_principal(session_key)
-    if state == STALE and session_key not in _refreshing_sessions:
+    if state == STALE:
+        _start_revalidate_session(session_key)
+    if principal is not None:
+        session_cache.mark_used(session_key)
+    return principal
+
+
+def _start_revalidate_session(session_key: str) -> None:
+    if session_key not in _refreshing_sessions:
         _refreshing_sessions.add(session_key)
         asyncio.get_running_loop().create_task(_revalidate_session(session_key))
-    return principal
 
 
 async def _revalidate_session(session_key: str) -> None:

@@ -116,3 +116,62 @@ def test_last_used_is_written_in_batches_not_by_each_request(viewer):
     assert credentials.flush_last_used() >= 1
     key.refresh_from_db()
     assert key.last_used_at is not None and timezone.now() - key.last_used_at < timedelta(seconds=5)
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_a_key_in_use_is_kept_fresh_between_its_requests(viewer, settings):
+    """The upkeep loop re-reads keys looked up within their serving window (10 TTLs) once they
+    are half a TTL old, all in one query: the next request after an idle gap past the TTL finds
+    the key fresh (with any change made without a push), instead of starting a refresh beside
+    itself. A key not looked up for the whole window is left to expire."""
+    settings.API_KEY_CACHE_S = 1
+    key, raw = await asyncio.to_thread(create_api_key, user=viewer.user, name="in-use")
+    _, other_raw = await asyncio.to_thread(create_api_key, user=viewer.user, name="other")
+    digest, other = hash_key(raw), hash_key(other_raw)
+    assert await credentials.alookup_key(raw) is not None
+    assert await credentials.alookup_key(other_raw) is not None
+    await ApiKey.objects.filter(pk=key.pk).aupdate(name="renamed")  # no push: only a re-read shows it
+    reads = []
+    real = credentials._reload_keys
+
+    def counted(digests):
+        reads.append(sorted(digests))
+        return real(digests)
+
+    credentials._areload_keys = credentials.db_async(counted)
+    credentials.upkeep.ensure_started()
+    try:
+        await asyncio.sleep(2.6)  # no request in between: past the TTL twice over
+        state, principal = key_cache.peek(digest)
+        assert state == credentials.FRESH and principal.key_name == "renamed"
+        assert key_cache.peek(other)[0] == credentials.FRESH
+        assert reads and all(batch == sorted([digest, other]) for batch in reads)  # one query for both
+        key_cache._used[other] -= 11  # as if last looked up 11 s (11 TTLs) ago
+        reads.clear()
+        await asyncio.sleep(2.2)
+        assert reads and all(batch == [digest] for batch in reads)
+        assert key_cache.peek(other)[0] == credentials.STALE and other not in key_cache._used
+    finally:
+        credentials._areload_keys = credentials.db_async(real)
+        await credentials.upkeep.stop()
+
+
+def test_refresh_ahead_picks_entries_used_in_their_window_past_half_their_ttl_when_quiet():
+    cache = credentials.PrincipalCache(10)
+    now = time.monotonic()
+    cache._entries.update({"young": (now - 2, None), "due": (now - 6, None), "unused": (now - 6, None),
+                           "busy": (now - 6, None), "busy-late": (now - 9.5, None), "too-old": (now - 101, None),
+                           "forgotten": (now - 6, None)})
+    for credential in ("young", "due", "too-old", "gone"):
+        cache._used[credential] = now - 1  # looked up a second ago
+    cache._used["forgotten"] = now - 100  # ten TTLs ago: left to expire
+    cache.mark_used("busy")  # looked up just now: a read beside its request would slow it
+    cache.mark_used("busy-late")  # ...but this one is about to go stale: read anyway
+    assert sorted(cache.due_for_refresh()) == ["busy-late", "due"]
+    assert set(cache._used) == {"young", "due", "too-old", "busy", "busy-late"}
+    cache.put("due", None)  # re-read: not due again for half a TTL
+    assert sorted(cache.due_for_refresh()) == ["busy-late"]
+    cache._used["busy"] = now - 1
+    assert sorted(cache.due_for_refresh()) == ["busy", "busy-late"]  # quiet now
+    cache.clear()
+    assert cache._used == {} and credentials.PrincipalCache(0).due_for_refresh() == []
