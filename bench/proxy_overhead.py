@@ -11,13 +11,20 @@ requests per second, time to first chunk, and throughput at 64 concurrent stream
 the direct baseline measured in the same run. Targets: added p50 <= 3 ms, TTFC <= +5 ms,
 throughput loss <= 10 % at 64 streams.
 
+64 unpaced streams (a backend writing 100 events as fast as it can, 64 at a time) are CPU-bound:
+the client and the backend alone fill two cores, so on a 2-core machine any proxy's CPU is taken
+from them and the loss measures the proxy's CPU per stream (printed per process, from /proc),
+against the minimal proxy's in the same rounds. `--pin` gives the proxies a core of their own
+(CPU 1; the client and the backends CPU 0), as on a GPU server, where the loss says whether the
+proxy keeps up: `--only streams --pin` for that figure alone.
+
 The passthrough routes (issue 15: any POST /v1/<path> naming a model, the engines' routes as
 /api/inference/<route>) are measured beside chat in the same rounds: /v1/rerank (to a rerank row)
 and /api/inference/tokenize, each as added p50 over direct, as a ratio to the minimal proxy's, and
 as a difference from the console's own chat figure (target: +0.2 ms at most).
 
 A minimal pooled-aiohttp proxy (30 lines, below) runs beside the console as a second baseline,
-and the idle-gap probe sends one request to each target after idle gaps like a real client's
+and the idle-gap probe sends one request, then (after another gap) one stream, to each target after idle gaps like a real client's
 (0.02 s, 1.2 s, 35 s): back-to-back benchmarks never see caches that expire between requests.
 """
 from __future__ import annotations
@@ -286,7 +293,7 @@ async def streams(session, url: str, headers: dict, body: dict, n: int, concurre
 
 
 async def measure(server: str, console: ConsoleProcess, fast_port: int, llama_port: int, minimal_port: int,
-                  scale: float) -> list[str]:
+                  pids: dict[str, int], scale: float) -> list[str]:
     import aiohttp
 
     auth = {"Authorization": f"Bearer {console.key}", "Content-Type": "application/json"}
@@ -344,20 +351,6 @@ async def measure(server: str, console: ConsoleProcess, fast_port: int, llama_po
             f"proxy median {1000 * statistics.median(p_ttfc):.2f} ms | added "
             f"{1000 * (statistics.median(p_ttfc) - statistics.median(d_ttfc)):+.2f} ms"
         )
-        n = max(64, int(64 * 2 * scale))
-        d_wall = p_wall = d_bytes = p_bytes = 0
-        for _ in range(ROUNDS):
-            _, wall, size = await streams(session, direct_url, plain, stream_body, n, 64)
-            d_wall, d_bytes = d_wall + wall, d_bytes + size
-            _, wall, size = await streams(session, proxy_url, auth, stream_body, n, 64)
-            p_wall, p_bytes = p_wall + wall, p_bytes + size
-        n *= ROUNDS
-        d_rate, p_rate = d_bytes / d_wall, p_bytes / p_wall
-        lines.append(
-            f"{server:8} 64 concurrent streams x{n} ({STREAM_CHUNKS} chunks each): direct {n / d_wall:.0f} streams/s "
-            f"{d_rate / 1e6:.2f} MB/s | proxy {n / p_wall:.0f} streams/s {p_rate / 1e6:.2f} MB/s | "
-            f"throughput loss {100 * (1 - p_rate / d_rate):.1f} % (unpaced: CPU-bound worst case)"
-        )
         paced = {**stream_body, "pace_ms": 10}  # 100 tokens/s per stream, 6,400 chunks/s in all
         n = max(64, int(64 * 2 * scale))
         _, d_wall, d_bytes = await streams(session, direct_url, plain, paced, n, 64)
@@ -368,7 +361,7 @@ async def measure(server: str, console: ConsoleProcess, fast_port: int, llama_po
             f"chunks/s | proxy {p_bytes / p_wall / len(CHUNK):.0f} chunks/s | throughput loss "
             f"{100 * (1 - p_rate / d_rate):.1f} %"
         )
-    return lines
+    return lines + await unpaced_streams(server, console, fast_port, minimal_port, pids, scale)
 
 
 async def passthrough(server: str, console: ConsoleProcess, fast_port: int, minimal_port: int,
@@ -409,12 +402,62 @@ async def passthrough(server: str, console: ConsoleProcess, fast_port: int, mini
     return lines
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process (and its reaped children) so far, from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return sum(int(v) for v in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+
+
+async def unpaced_streams(server: str, console: ConsoleProcess, fast_port: int, minimal_port: int,
+                          pids: dict[str, int], scale: float) -> list[str]:
+    """64 unpaced streams to each target, interleaved over rounds: throughput, its loss against
+    direct, and the CPU each process spent per stream (where a loss on a small machine goes)."""
+    import aiohttp
+
+    stream_body = {**SMALL, "stream": True}
+    auth = {"Authorization": f"Bearer {console.key}", "Content-Type": "application/json"}
+    plain = {"Content-Type": "application/json"}
+    targets = {"direct": (f"http://127.0.0.1:{fast_port}/v1/chat/completions", plain),
+               "minimal": (f"http://127.0.0.1:{minimal_port}/v1/chat/completions", plain),
+               "console": (f"{console.url}/v1/chat/completions", auth)}
+    procs = {**pids, "console": console.proc.pid, "client": os.getpid()}
+    n = max(640, int(64 * 20 * scale))  # per target and round: about a second each, not a few ms
+    wall = dict.fromkeys(targets, 0.0)
+    size = dict.fromkeys(targets, 0)
+    cpu = {t: dict.fromkeys(procs, 0.0) for t in targets}
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        for url, headers in targets.values():  # warm every pool
+            await streams(session, url, headers, stream_body, 64, 64)
+        for _ in range(ROUNDS):
+            for name, (url, headers) in targets.items():
+                before = {p: cpu_seconds(pid) for p, pid in procs.items()}
+                _, w, b = await streams(session, url, headers, stream_body, n, 64)
+                wall[name] += w
+                size[name] += b
+                for p, pid in procs.items():
+                    cpu[name][p] += cpu_seconds(pid) - before[p]
+    total = n * ROUNDS
+    lines = []
+    direct_rate = size["direct"] / wall["direct"]
+    minimal_rate = size["minimal"] / wall["minimal"]
+    for name in targets:
+        rate = size[name] / wall[name]
+        spent = ", ".join(f"{p} {1e6 * c / total:.0f}" for p, c in cpu[name].items() if c > 0.005)
+        vs = f" = {rate / minimal_rate:.2f}x the minimal proxy's" if name == "console" else ""
+        lines.append(f"{server:8} 64 unpaced streams x{total} ({STREAM_CHUNKS} chunks) {name:8} "
+                     f"{total / wall[name]:5.0f} streams/s {rate / 1e6:5.2f} MB/s, loss vs direct "
+                     f"{100 * (1 - rate / direct_rate):5.1f} %{vs} | CPU us per stream: {spent}")
+    return lines
+
+
 async def idle_gaps(targets: dict[str, tuple[str, dict]], gaps: list[float], samples: int) -> list[str]:
-    """One small request to each target after each idle gap; p50/p90 per gap, and each target's
-    added latency over direct as a ratio to the minimal proxy's."""
+    """After each idle gap, one small request to each target, and after another gap of the same
+    length one stream to each (its time to first chunk); p50/p90 per gap, and each target's added
+    latency over direct as a ratio to the minimal proxy's."""
     import aiohttp
 
     body = json.dumps(SMALL).encode()
+    stream_body = json.dumps({**SMALL, "stream": True}).encode()
     lines = []
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         for url, headers in targets.values():  # open every pool first: a gap, not a first connect, is measured
@@ -422,6 +465,7 @@ async def idle_gaps(targets: dict[str, tuple[str, dict]], gaps: list[float], sam
                 await r.read()
         for gap in gaps:
             times: dict[str, list[float]] = {name: [] for name in targets}
+            ttfc: dict[str, list[float]] = {name: [] for name in targets}
             for _ in range(samples):
                 await asyncio.sleep(gap)
                 for name, (url, headers) in targets.items():
@@ -430,29 +474,41 @@ async def idle_gaps(targets: dict[str, tuple[str, dict]], gaps: list[float], sam
                         await r.read()
                         assert r.status == 200, (name, r.status)
                     times[name].append(time.perf_counter() - t0)
-            direct50, direct90 = pct(times["direct"], .5), pct(times["direct"], .9)
-            minimal50 = pct(times["minimal"], .5) - direct50
-            minimal90 = pct(times["minimal"], .9) - direct90
-            for name, values in times.items():
-                add50, add90 = pct(values, .5) - direct50, pct(values, .9) - direct90
-                ratio = "" if name in ("direct", "minimal") else (
-                    f" = {add50 / minimal50:.2f}x / {add90 / minimal90:.2f}x the minimal proxy's"
-                    if minimal50 > 0 and minimal90 > 0 else "")
-                lines.append(f"idle gap {gap:>5g} s n={samples:<3} {name:14} p50 {1000 * pct(values, .5):6.2f} ms "
-                             f"p90 {1000 * pct(values, .9):6.2f} ms | added p50 {1000 * add50:+6.2f} ms "
-                             f"p90 {1000 * add90:+6.2f} ms{ratio}")
+                await asyncio.sleep(gap)
+                for name, (url, headers) in targets.items():
+                    first, _, _ = await one_stream(session, url, headers, stream_body)
+                    ttfc[name].append(first)
+            for label, got in (("small", times), ("TTFC ", ttfc)):
+                direct50, direct90 = pct(got["direct"], .5), pct(got["direct"], .9)
+                minimal50 = pct(got["minimal"], .5) - direct50
+                minimal90 = pct(got["minimal"], .9) - direct90
+                for name, values in got.items():
+                    add50, add90 = pct(values, .5) - direct50, pct(values, .9) - direct90
+                    ratio = "" if name in ("direct", "minimal") else (
+                        f" = {add50 / minimal50:.2f}x / {add90 / minimal90:.2f}x the minimal proxy's"
+                        if minimal50 > 0 and minimal90 > 0 else "")
+                    lines.append(f"idle gap {gap:>5g} s n={samples:<3} {label} {name:16} p50 "
+                                 f"{1000 * pct(values, .5):6.2f} ms p90 {1000 * pct(values, .9):6.2f} ms | added p50 "
+                                 f"{1000 * add50:+6.2f} ms p90 {1000 * add90:+6.2f} ms{ratio}")
     return lines
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[1])
-    parser.add_argument("--servers", default="uvicorn:asyncio,uvicorn:uvloop,daphne",
-                        help="consoles to measure: daphne, uvicorn[:asyncio|:uvloop]")
+    import importlib.util
+
+    servers = "uvicorn:asyncio,uvicorn:uvloop,daphne" if importlib.util.find_spec("uvloop") else "uvicorn,daphne"
+    parser.add_argument("--servers", default=servers,
+                        help="consoles to measure: daphne, uvicorn[:asyncio|:uvloop] (uvloop only when installed)")
     parser.add_argument("--scale", type=float, default=1.0, help="multiply request counts")
     parser.add_argument("--gaps", default="0.02,1.2,35", help="idle gaps (s) for the probe; empty: skip it")
     parser.add_argument("--gap-samples", type=int, default=6, help="requests per target per gap")
-    parser.add_argument("--only", choices=["all", "passthrough"], default="all",
-                        help="passthrough: only the passthrough routes beside chat (and the idle gaps)")
+    parser.add_argument("--only", choices=["all", "passthrough", "streams"], default="all",
+                        help="passthrough: only the passthrough routes beside chat (and the idle gaps); "
+                             "streams: only 64 unpaced streams, direct / minimal proxy / console, with CPU time")
+    parser.add_argument("--pin", action="store_true",
+                        help="give the proxies (console, minimal) CPU 1 and everything else CPU 0, as on a server "
+                             "where clients and backends are not on the proxy's cores")
     parser.add_argument("--upstream", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--minimal-proxy", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -464,6 +520,8 @@ def main() -> None:
         run_minimal_proxy(int(port), int(upstream_port))
         return
     sys.path.insert(0, str(REPO))
+    if args.pin:
+        os.sched_setaffinity(0, {0})  # this client and every backend started below
     procs: list[subprocess.Popen] = []
     with tempfile.TemporaryDirectory(prefix="xgen-bench-") as tmp:
         work = Path(tmp)
@@ -489,6 +547,8 @@ def main() -> None:
             minimal_port = free_port()
             minimal = subprocess.Popen([PYTHON, __file__, "--minimal-proxy", f"{minimal_port}:{fast_port}"])
             procs.append(minimal)
+            if args.pin:
+                os.sched_setaffinity(minimal.pid, {1})
             wait_http(f"http://127.0.0.1:{fast_port}/v1/models", upstream)
             wait_http(f"http://127.0.0.1:{llama_port}/v1/models", llama)
             wait_http(f"http://127.0.0.1:{minimal_port}/v1/models", minimal)
@@ -502,13 +562,22 @@ def main() -> None:
                     console = ConsoleProcess(server, work, {"fast": fast_port, "fast-rr": fast_port,
                                                             "tiny": llama_port})
                     consoles.append(console)
+                    if args.pin:
+                        for task in os.listdir(f"/proc/{console.proc.pid}/task"):  # its threads too
+                            os.sched_setaffinity(int(task), {1})
                     print(f"{server:8} console calls with {console.key_kind}", flush=True)
                     targets[f"console-{server}"] = (f"{console.url}/v1/chat/completions",
                                                     {**plain, "Authorization": f"Bearer {console.key}"})
+                    pids = {"upstream": upstream.pid, "minimal": minimal.pid}
                     if args.only == "all":
                         for line in asyncio.run(measure(server, console, fast_port, llama_port, minimal_port,
-                                                        args.scale)):
+                                                        pids, args.scale)):
                             print(line, flush=True)
+                    if args.only == "streams":
+                        for line in asyncio.run(unpaced_streams(server, console, fast_port, minimal_port, pids,
+                                                                args.scale)):
+                            print(line, flush=True)
+                        continue
                     for line in asyncio.run(passthrough(server, console, fast_port, minimal_port, args.scale)):
                         print(line, flush=True)
                 gaps = [float(g) for g in args.gaps.split(",") if g.strip()]
