@@ -378,6 +378,7 @@ upkeep = CredentialUpkeep()
 
 
 _refresh_task: list[asyncio.Task | None] = [None]
+SESSION_REFRESHES_PER_TICK = 100  # a session is read on its own (two queries): bounded per tick
 
 
 def _refresh_ahead() -> None:
@@ -388,7 +389,7 @@ def _refresh_ahead() -> None:
     if task is not None and not task.done():
         return
     digests = [d for d in key_cache.due_for_refresh() if d not in _refreshing]
-    for session_key in session_cache.due_for_refresh():
+    for session_key in session_cache.due_for_refresh()[:SESSION_REFRESHES_PER_TICK]:  # the rest: next tick
         _start_revalidate_session(session_key)
     if digests:
         _refresh_task[0] = asyncio.get_running_loop().create_task(_reload_in_batches(digests))
@@ -441,8 +442,8 @@ _refreshing_sessions: set[str] = set()
 async def _session_lookup(session_key: str) -> Principal | None:
     state, principal = session_cache.peek(session_key)
     if state == MISS:
-        return await _asession_principal(session_key)
-    if state == STALE:
+        principal = await _asession_principal(session_key)
+    elif state == STALE:
         _start_revalidate_session(session_key)
     if principal is not None:
         session_cache.mark_used(session_key)

@@ -175,3 +175,31 @@ def test_refresh_ahead_picks_entries_used_in_their_window_past_half_their_ttl_wh
     assert sorted(cache.due_for_refresh()) == ["busy", "busy-late"]  # quiet now
     cache.clear()
     assert cache._used == {} and credentials.PrincipalCache(0).due_for_refresh() == []
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_a_browser_session_in_use_is_kept_fresh_too(viewer, monkeypatch):
+    from django.test import Client
+
+    from accounts.credentials import session_cache
+
+    def login() -> str:
+        client = Client()
+        client.force_login(viewer.user)
+        return client.cookies["sessionid"].value
+
+    session_key = await asyncio.to_thread(login)
+    monkeypatch.setattr(session_cache, "_ttl", 1)
+    session_cache.clear()
+    assert (await credentials._session_lookup(session_key)).username == viewer.user.username
+    await type(viewer.user).objects.filter(pk=viewer.user.pk).aupdate(is_active=False)  # no push
+    credentials.upkeep.ensure_started()
+    try:
+        for _ in range(60):
+            if session_cache.peek(session_key) == (credentials.FRESH, None):
+                break
+            await asyncio.sleep(0.05)
+        assert session_cache.peek(session_key) == (credentials.FRESH, None)  # re-read without a request
+    finally:
+        await credentials.upkeep.stop()
+        session_cache.clear()
