@@ -20,7 +20,6 @@ import concurrent.futures
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,9 +36,11 @@ import django  # noqa: E402
 django.setup()  # also exports LLAMA_CPP_LIB_PATH when llama-cpp-python needs the cached build's libllama
 
 from hardware.backends import probe_llama_cpp_python, probe_llama_server  # noqa: E402
-from serving.adapters import LaunchSpec, get_adapter  # noqa: E402
 from tests.conftest import start_console  # noqa: E402
-from tests.procs import free_port, stop_process  # noqa: E402
+from tests.procs import stop_process  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from load_time import started_by_hand  # noqa: E402  (bench/load_time.py: the same start by hand)
 
 ENGINE = "llama-cpp-python"
 POLL_S = 0.01
@@ -61,29 +62,9 @@ def first_token(client: httpx.Client, url: str, body: dict, headers: dict | None
 
 
 def by_hand(row: dict, model: Path, i: int) -> float:
-    adapter = get_adapter(ENGINE)
-    spec = LaunchSpec(model_file=model, model_name=f"hand-{i}", server_type="llm", host="127.0.0.1",
-                      port=free_port(), flavour=row["flavour"], version=row["version"], executable=row["path"])
-    env = adapter.build_env(spec, dict(os.environ))
-    base = f"http://127.0.0.1:{spec.port}"
-    start = time.perf_counter()
-    proc = subprocess.Popen(adapter.build_command(spec), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-                            start_new_session=True, env=env)
-    try:
-        with httpx.Client(trust_env=False) as client:
-            while True:
-                try:
-                    if client.get(base + adapter.health_path, timeout=1).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if proc.poll() is not None:
-                    raise RuntimeError(f"{ENGINE} exited with {proc.returncode}")
-                time.sleep(POLL_S)
-            first_token(client, base + "/v1/chat/completions", {"model": f"hand-{i}", **CHAT})
-            return time.perf_counter() - start
-    finally:
-        stop_process(proc)
+    with started_by_hand(ENGINE, row, model, i) as (client, base, _spec, _adapter, start):
+        first_token(client, base + "/v1/chat/completions", {"model": f"hand-{i}", **CHAT})
+        return time.perf_counter() - start
 
 
 def main() -> None:

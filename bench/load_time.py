@@ -12,6 +12,7 @@ warm-up request the console sends; the console from POST /api/management/load to
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -44,8 +45,11 @@ def node_backends() -> list[dict]:
     return [probe_llama_cpp_python(), probe_llama_server()]
 
 
-def by_hand(engine: str, row: dict, model: Path, i: int) -> tuple[float, float]:
-    """Seconds from Popen until the health path answers 200, and until the warm-up has answered."""
+@contextlib.contextmanager
+def started_by_hand(engine: str, row: dict, model: Path, i: int):
+    """The backend started as the console would (same argv and environment), by hand: yields
+    (client, base URL, spec, adapter, the perf_counter at Popen) once its health path answers 200;
+    stopped on leaving."""
     adapter = get_adapter(engine)
     spec = LaunchSpec(model_file=model, model_name=f"hand-{i}", server_type="llm", host="127.0.0.1",
                       port=free_port(), flavour=row["flavour"], version=row["version"], executable=row["path"])
@@ -65,12 +69,18 @@ def by_hand(engine: str, row: dict, model: Path, i: int) -> tuple[float, float]:
                 if proc.poll() is not None:
                     raise RuntimeError(f"{engine} exited with {proc.returncode}")
                 time.sleep(POLL_S)
-            healthy = time.perf_counter() - start
-            path, body = adapter.warmup_request(spec)
-            client.post(base + path, json=body, timeout=120).raise_for_status()
-            return healthy, time.perf_counter() - start
+            yield client, base, spec, adapter, start
     finally:
         stop_process(proc)
+
+
+def by_hand(engine: str, row: dict, model: Path, i: int) -> tuple[float, float]:
+    """Seconds from Popen until the health path answers 200, and until the warm-up has answered."""
+    with started_by_hand(engine, row, model, i) as (client, base, spec, adapter, start):
+        healthy = time.perf_counter() - start
+        path, body = adapter.warmup_request(spec)
+        client.post(base + path, json=body, timeout=120).raise_for_status()
+        return healthy, time.perf_counter() - start
 
 
 def interleaved(model: Path, runs: int, data: Path, engines: list[str]) -> dict[str, dict[str, list[float]]]:
