@@ -303,12 +303,6 @@ def _write(buckets: dict[BucketKey, _Counts], rows: list[dict],
             _insert_request_rows(RequestLog, rows)
 
 
-# The request log's columns, in the order _log builds a row's values.
-REQUEST_LOG_FIELDS = ("at", "request_id", "key_id", "key_name", "username", "model", "instance_id", "node",
-                      "status", "error", "ttft_ms", "duration_ms", "prompt_tokens", "completion_tokens", "stream",
-                      "client")
-
-
 def _insert_request_rows(model, rows: list[dict], *, using: str = "default") -> None:
     """The request-log rows in one prepared INSERT (executemany): as the ORM's bulk_create writes
     them, without a model instance per row, CPU that web processes spend holding the GIL beside
@@ -317,12 +311,11 @@ def _insert_request_rows(model, rows: list[dict], *, using: str = "default") -> 
 
     connection = connections[using]
     quote = connection.ops.quote_name
-    columns = ", ".join(quote(model._meta.get_field(name).column) for name in REQUEST_LOG_FIELDS)
+    rest = [f for f in model._meta.concrete_fields if not f.primary_key and f.name != "at"]  # as _log names them
+    columns = ", ".join(quote(f.column) for f in [model._meta.get_field("at"), *rest])
     adapt = connection.ops.adapt_datetimefield_value
-    rest = REQUEST_LOG_FIELDS[1:]
-    params = [(adapt(datetime.fromtimestamp(r["at"], tz=UTC)), *(r[name] for name in rest)) for r in rows]
-    sql = (f"INSERT INTO {quote(model._meta.db_table)} ({columns}) "
-           f"VALUES ({', '.join(['%s'] * len(REQUEST_LOG_FIELDS))})")
+    params = [(adapt(datetime.fromtimestamp(r["at"], tz=UTC)), *(r[f.name] for f in rest)) for r in rows]
+    sql = f"INSERT INTO {quote(model._meta.db_table)} ({columns}) VALUES ({', '.join(['%s'] * (1 + len(rest)))})"
     with connection.cursor() as cursor:
         cursor.executemany(sql, params)
 
