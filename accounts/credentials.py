@@ -202,10 +202,14 @@ def principal_for_key(key: ApiKey) -> Principal:
 def _load_key(digest: str) -> Principal | None:
     """Read one key by hash and cache what was read (unless a change came in meanwhile)."""
     generation = key_cache.generation
-    key = ApiKey.objects.select_related("user").filter(key_hash=digest).first()
-    principal = principal_for_key(key) if key is not None and key.is_usable else None
+    principal = _usable_principal(ApiKey.objects.select_related("user").filter(key_hash=digest).first())
     key_cache.put(digest, principal, generation=generation)
     return principal
+
+
+def _usable_principal(key: ApiKey | None) -> Principal | None:
+    """What the cache holds for a key read from the database: its principal, or None (refused)."""
+    return principal_for_key(key) if key is not None and key.is_usable else None
 
 
 _aload_key = db_async(_load_key)
@@ -218,9 +222,7 @@ def _reload_keys(digests: list[str]) -> int:
     generation = key_cache.generation
     found = {k.key_hash: k for k in ApiKey.objects.select_related("user").filter(key_hash__in=digests)}
     for digest in digests:
-        key = found.get(digest)
-        key_cache.put(digest, principal_for_key(key) if key is not None and key.is_usable else None,
-                      generation=generation)
+        key_cache.put(digest, _usable_principal(found.get(digest)), generation=generation)
     return len(digests)
 
 
