@@ -138,17 +138,26 @@ async def test_a_key_in_use_is_kept_fresh_between_its_requests(viewer, settings)
         reads.append(sorted(digests))
         return real(digests)
 
+    async def until(condition) -> None:  # the upkeep ticks about once a second
+        for _ in range(100):
+            if condition():
+                return
+            await asyncio.sleep(0.05)
+
     credentials._areload_keys = credentials.db_async(counted)
     credentials.upkeep.ensure_started()
     try:
-        await asyncio.sleep(2.6)  # no request in between: past the TTL twice over
+        await asyncio.sleep(1.2)  # no request from here on: past the TTL, fresh only if re-read
+        await until(lambda: key_cache.peek(digest)[1].key_name == "renamed"
+                    and key_cache.peek(digest)[0] == key_cache.peek(other)[0] == credentials.FRESH)
         state, principal = key_cache.peek(digest)
         assert state == credentials.FRESH and principal.key_name == "renamed"
         assert key_cache.peek(other)[0] == credentials.FRESH
         assert reads and all(batch == sorted([digest, other]) for batch in reads)  # one query for both
         key_cache._used[other] -= 11  # as if last looked up 11 s (11 TTLs) ago
+        await until(lambda: other not in key_cache._used)  # dropped at the next tick
         reads.clear()
-        await asyncio.sleep(2.2)
+        await until(lambda: reads and key_cache.peek(other)[0] == credentials.STALE)
         assert reads and all(batch == [digest] for batch in reads)
         assert key_cache.peek(other)[0] == credentials.STALE and other not in key_cache._used
     finally:
