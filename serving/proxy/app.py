@@ -5,7 +5,7 @@ A raw ASGI app mounted ahead of Django for `/v1/`, `/api/inference/` and `/metri
 (`open_upstream` in upstream.py, `list_models` here) also serves the Ninja routes in
 serving/inference_api.py.
 
-Rules held here: one pooled aiohttp session per process; chunks are forwarded as they arrive;
+Rules held here: one pooled HTTP/1.1 client per process (http1.py); chunks are forwarded as they arrive;
 a client that disconnects cancels the upstream request; a backend that dies mid-stream ends
 an SSE stream with an error event; every error is OpenAI-shaped JSON.
 
@@ -586,7 +586,7 @@ async def passthrough(reply: UpstreamReply, send, timing, *, shape_error=openai_
                 if size > ERROR_READ_MAX:
                     break
         data = b"".join(parts)
-        fixed = shape_error(reply.status, data, reply.response.content_type or "")
+        fixed = shape_error(reply.status, data, reply.response.content_type)
         headers = reply.headers()
         if fixed is not None:
             data = fixed

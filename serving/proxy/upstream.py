@@ -1,5 +1,5 @@
-"""The upstream side of the proxy: one pooled aiohttp client per process, sending a request to
-the least busy replica and passing its answer through chunk by chunk (SSE in whole events).
+"""The upstream side of the proxy: one pooled HTTP/1.1 client per process (serving.proxy.http1),
+sending a request to the least busy replica and passing its answer through chunk by chunk (SSE in whole events).
 When an exchange finishes, its usage is counted (serving.usage) and its tokens charged to the
 key's limits (serving.proxy.limits), in memory: nothing here waits for the database."""
 from __future__ import annotations
@@ -12,11 +12,10 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-import aiohttp
 from django.conf import settings
 
 from accounts.errors import error_body
-from serving.proxy import metrics, ondemand
+from serving.proxy import http1, metrics, ondemand
 from serving.proxy.errors import ProxyError
 from serving.proxy.limits import limiter, shutdown_limiter
 from serving.proxy.replicas import Backend, routing_table
@@ -24,15 +23,15 @@ from serving.usage import RequestContext, recorder
 
 log = logging.getLogger("xgen.proxy")
 
-# Never forwarded to a backend: hop-by-hop headers, our own auth and session, and what aiohttp sets.
+# Never forwarded to a backend: hop-by-hop headers, our own auth and session, and what the client sets.
 DROP_REQUEST_HEADERS = frozenset({
     b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"proxy-connection",
     b"te", b"trailer", b"trailers", b"transfer-encoding", b"upgrade", b"host", b"authorization",
     b"cookie", b"content-length", b"x-csrftoken", b"x-request-id", b"expect", b"x-api-key",
 })
 DROP_RESPONSE_HEADERS = frozenset({
-    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection", "te",
-    "trailer", "trailers", "transfer-encoding", "upgrade", "date", "server", "x-request-id", "set-cookie",
+    b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"proxy-connection", b"te",
+    b"trailer", b"trailers", b"transfer-encoding", b"upgrade", b"date", b"server", b"x-request-id", b"set-cookie",
 })
 USAGE_RE = re.compile(rb'"(prompt_tokens|completion_tokens)"\s*:\s*(\d+)')
 USAGE_TAIL = 4096  # usage sits at the end of a JSON answer and in a stream's last chunks
@@ -44,25 +43,17 @@ WHOLE_BODY_MAX = 1 << 20  # answers up to this size with a Content-Length go out
 
 
 # ---------------------------------------------------------------- the pooled client
-_client: aiohttp.ClientSession | None = None
+_client: http1.Client | None = None
 _client_loop: asyncio.AbstractEventLoop | None = None
 
 
-def client() -> aiohttp.ClientSession:
+def client() -> http1.Client:
     """The process's one pooled HTTP client, created lazily in the running loop."""
     global _client, _client_loop
     loop = asyncio.get_running_loop()
     if _client is None or _client.closed or _client_loop is not loop:
         _client_loop = loop
-        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30, ttl_dns_cache=60)
-        _client = aiohttp.ClientSession(
-            connector=connector,
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=settings.PROXY_CONNECT_TIMEOUT_S,
-                                          sock_read=None),
-            auto_decompress=False,  # bytes pass through as the backend encoded them
-            skip_auto_headers=("Accept-Encoding", "User-Agent"),
-            raise_for_status=False,
-        )
+        _client = http1.Client(connect_timeout_s=settings.PROXY_CONNECT_TIMEOUT_S)
     return _client
 
 
@@ -81,7 +72,7 @@ async def shutdown_proxy() -> None:
         try:
             await _client.close()
         except RuntimeError:  # created in a loop that is gone
-            pass
+            _client.closed = True
     _client = None
 
 
@@ -91,7 +82,7 @@ class UpstreamReply:
     """An open backend response: status and headers now, the body chunk by chunk."""
 
     backend: Backend
-    response: aiohttp.ClientResponse
+    response: http1.Response
     started: float
     first_byte_s: float
     request_id: str
@@ -112,11 +103,8 @@ class UpstreamReply:
 
     def headers(self) -> list[tuple[bytes, bytes]]:
         """Response headers for the client: hop-by-hop dropped, the request id added."""
-        out = [
-            (k.lower().encode("latin-1"), v.encode("latin-1"))
-            for k, v in self.response.headers.items()
-            if k.lower() not in DROP_RESPONSE_HEADERS
-        ]
+        drop = DROP_RESPONSE_HEADERS
+        out = [(k, v) for k, v in self.response.headers if k not in drop]
         out.append((b"x-request-id", self.request_id.encode()))
         if self.ctx is not None:
             out.extend(self.ctx.rate_headers)
@@ -134,7 +122,7 @@ class UpstreamReply:
         """The whole (small, non-streaming) body; ProxyError 502 when the backend breaks off."""
         try:
             body = await self.response.read()
-        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+        except (http1.UpstreamError, OSError) as exc:
             self.finish(error="upstream_broken")
             raise ProxyError(502, f"The backend broke off its answer: {exc}", code="upstream_error") from None
         except BaseException:
@@ -158,9 +146,9 @@ class UpstreamReply:
         pending_size = 0
         limit = settings.PROXY_MAX_SSE_EVENT_BYTES
         strip = sse and self.ctx is not None and self.ctx.drop_usage_chunk
-        content = self.response.content
+        response = self.response
         try:
-            async for chunk in content.iter_any():
+            async for chunk in response.iter_any():
                 if self.first_chunk_s is None:
                     self.first_chunk_s = time.perf_counter() - self.started
                 tail = chunk[-USAGE_TAIL:] if len(chunk) >= USAGE_TAIL else (tail + chunk)[-USAGE_TAIL:]
@@ -186,7 +174,7 @@ class UpstreamReply:
                             continue
                 # The backend's answer ended in the read that brought these bytes: they are the
                 # last (the relay sends them with the response's end, one write instead of two).
-                self.last_chunk = not pending and content.at_eof()
+                self.last_chunk = not pending and response.at_eof()
                 yield chunk
             clean = True
             if pending:
@@ -196,7 +184,7 @@ class UpstreamReply:
                     last = strip_usage_events(last)
                 if last:
                     yield last
-        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+        except (http1.UpstreamError, OSError) as exc:
             if sse and not pending and tail.rstrip().endswith(b"data: [DONE]"):
                 clean = True  # cut after its last event: the answer is whole, the lost framing is not news
                 return
@@ -282,15 +270,26 @@ def _event_end(data: bytes) -> int:
     return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
 
 
-def forward_headers(raw: list[tuple[bytes, bytes]], request_id: str) -> list[tuple[str, str]]:
-    """The caller's headers minus hop-by-hop, Host, auth and cookies; plus X-Request-ID."""
+def forward_headers(raw: list[tuple[bytes, bytes]], request_id: str) -> bytes:
+    """The caller's headers minus hop-by-hop, Host, auth and cookies; plus X-Request-ID (and a JSON
+    Content-Type when the caller sent none: every body the proxy forwards is JSON or its own
+    multipart form), as `name: value` lines ready for the request."""
     drop = DROP_REQUEST_HEADERS
     for name, value in raw:
         if name == b"connection":  # headers it lists are hop-by-hop too
             drop = drop | {token.strip().lower() for token in value.split(b",")}
-    out = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in raw if k.lower() not in drop]
-    out.append(("X-Request-ID", request_id))
-    return out
+    lines = []
+    typed = False
+    for name, value in raw:
+        name = name.lower()
+        if name in drop or b"\r" in value or b"\n" in value:
+            continue
+        typed = typed or name == b"content-type"
+        lines.append(b"%s: %s\r\n" % (name, value))
+    if not typed:
+        lines.append(b"content-type: application/json\r\n")
+    lines.append(b"x-request-id: %s\r\n" % request_id.encode("latin-1"))
+    return b"".join(lines)
 
 
 async def open_upstream(*, path: str, query: bytes, body: bytes, candidates: list[Backend],
@@ -302,7 +301,7 @@ async def open_upstream(*, path: str, query: bytes, body: bytes, candidates: lis
     `ctx`, the exchange is counted in the usage buckets and the request log when it finishes."""
     if upstream_path is None:
         upstream_path = path[path.index("/v1/"):]
-    suffix = "?" + query.decode("latin-1") if query else ""
+    target = upstream_path + "?" + query.decode("latin-1") if query else upstream_path
     fwd = forward_headers(headers, request_id)
     session = client()
     last_exc: Exception | None = None
@@ -314,19 +313,19 @@ async def open_upstream(*, path: str, query: bytes, body: bytes, candidates: lis
         busy_mark = recorder.busy_start(backend.instance_id) if ctx is not None else 0.0
         started = time.perf_counter()
         try:
-            response = await session.post(backend.base_url + upstream_path + suffix, data=body, headers=fwd)
+            response = await session.post(backend.base_url, target, body, fwd)
         except BaseException as exc:
             backend.in_flight -= 1
             if ctx is not None:
                 recorder.busy_stop(backend.instance_id, busy_mark)
-            if isinstance(exc, aiohttp.ClientConnectorError):
-                # Refused before a byte was sent: this replica is gone, try the next.
+            if isinstance(exc, http1.ConnectFailed):
+                # No connection, nothing sent: this replica is gone (or unreachable), try the next.
                 backend.mark_down()
                 last_exc = exc
                 metrics.record(model=backend.model_name, instance_id=backend.instance_id, status=502,
                                duration_s=time.perf_counter() - started, first_byte_s=None, error="connect")
                 continue
-            if isinstance(exc, aiohttp.ServerDisconnectedError):
+            if isinstance(exc, http1.Disconnected):
                 # Closed before answering; most often a pooled connection to a backend that restarted:
                 # one more try on a fresh connection tells a restart from a dead replica.
                 last_exc = exc
@@ -338,7 +337,7 @@ async def open_upstream(*, path: str, query: bytes, body: bytes, candidates: lis
                     metrics.record(model=backend.model_name, instance_id=backend.instance_id, status=502,
                                    duration_s=time.perf_counter() - started, first_byte_s=None, error="connect")
                 continue
-            if isinstance(exc, TimeoutError | aiohttp.ClientError | OSError):
+            if isinstance(exc, http1.UpstreamError | OSError):
                 metrics.record(model=backend.model_name, instance_id=backend.instance_id, status=502,
                                duration_s=time.perf_counter() - started, first_byte_s=None, error="upstream")
                 raise ProxyError(502, f"The backend failed before answering: {exc.__class__.__name__}: {exc}",
@@ -368,9 +367,7 @@ class UpstreamPoolCollector:
             tasks = 0
         yield GaugeMetricFamily("xgen_event_loop_tasks", "asyncio tasks alive in this process's loop", value=tasks)
         conns = GaugeMetricFamily("xgen_proxy_upstream_connections", "Connections to backends", labels=["state"])
-        connector = _client.connector if _client is not None else None
-        idle = sum(len(v) for v in getattr(connector, "_conns", {}).values()) if connector else 0
-        in_use = len(getattr(connector, "_acquired", ())) if connector else 0
+        idle, in_use = _client.stats() if _client is not None else (0, 0)
         conns.add_metric(["idle"], idle)
         conns.add_metric(["in_use"], in_use)
         yield conns
