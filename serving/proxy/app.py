@@ -67,6 +67,7 @@ ENGINE_ROUTES = frozenset({"tokenize", "detokenize", "apply-template", "infill",
 FORWARD_PATH_RE = re.compile(r"/v1(?:/[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}){1,6}")
 
 REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+WATCH_AFTER_S = 0.05  # a forwarded exchange still running this long watches for the client leaving
 
 
 @dataclass(frozen=True)
@@ -698,7 +699,18 @@ async def _forward(scope, receive, send, *, path: str, body: bytes, candidates: 
                     current.cancel()
                 return
 
-    watcher = asyncio.create_task(watch_disconnect())
+    # The watch starts only when the exchange outlasts WATCH_AFTER_S: most answers are done
+    # sooner, and a task a request cost ~7 us of CPU. A stream, or a backend slow to answer,
+    # is watched from then on (uvicorn and daphne drop what is sent to a client that left, so
+    # nothing but this watch would stop the upstream request).
+    watcher: asyncio.Task | None = None
+
+    def start_watching() -> None:
+        nonlocal watcher
+        if not flags["done"]:
+            watcher = asyncio.create_task(watch_disconnect())
+
+    timer = asyncio.get_running_loop().call_later(WATCH_AFTER_S, start_watching)
     reply: UpstreamReply | None = None
     slot = ondemand.NO_SLOT
     try:
@@ -725,7 +737,9 @@ async def _forward(scope, receive, send, *, path: str, body: bytes, candidates: 
         pass  # the server could not write to a client that went away
     finally:
         flags["done"] = True
-        watcher.cancel()
+        timer.cancel()
+        if watcher is not None:
+            watcher.cancel()
         if reply is not None:
             reply.abort()
         slot.release()

@@ -24,7 +24,8 @@ MODEL = "queued"
 
 
 class GateBackend(AiohttpBackend):
-    """Streams `data: {"content": <tag>}` at once, then waits for `release(tag)` before [DONE]."""
+    """Streams `data: {"content": <tag>}` at once, then waits for `release(tag)` before [DONE]
+    (a tag starting with `hold` waits before it answers anything)."""
 
     def __init__(self) -> None:
         self.arrived: list[str] = []
@@ -46,6 +47,8 @@ class GateBackend(AiohttpBackend):
             body = await request.json()
             tag = body["messages"][0]["content"]
             self.arrived.append(tag)
+            if tag.startswith("hold"):  # a long prefill: no answer at all until released
+                await self._gate(tag).wait()
             response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await response.prepare(request)
             chunk = {"object": "chat.completion.chunk", "choices": [{"delta": {"content": tag}}]}
@@ -168,3 +171,32 @@ def test_a_client_that_leaves_the_queue_leaves_nothing_behind(queued, gate_backe
     backend.release("h2")
     after.join(30)
     assert after.status == 200 and "gone" not in backend.arrived
+
+
+def _in_flight(pc: ProxyConsole) -> float:
+    text = httpx.get(f"{pc.url}/metrics", headers=pc.auth, timeout=10).text
+    found = re.search(r'^xgen_inference_in_flight\{instance="\d+",model="' + MODEL + r'"\} (\S+)$', text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def test_a_client_that_leaves_before_the_backend_answers_frees_its_slot(queued, gate_backend):
+    """The watch for a client leaving starts late (WATCH_AFTER_S) but it starts: a backend that
+    has not sent a byte (a long prefill) no longer holds the slot once its client is gone."""
+    pc, backend = queued, gate_backend
+    backend.arrived.clear()
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hold-1"}], "stream": True}).encode()
+    host, port = pc.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Authorization: Bearer " + pc.key.encode() + b"\r\nContent-Length: "
+                  + str(len(body)).encode() + b"\r\n\r\n" + body)
+        _until(lambda: backend.arrived == ["hold-1"], "the backend has the request")
+        time.sleep(0.3)  # past the watch's start
+        assert _in_flight(pc) == 1
+    _until(lambda: _in_flight(pc) == 0, "the proxy let go of the request its client left")
+    after = Stream(pc, "h3")  # max_concurrency 1: served at once only if the slot came back
+    _until(lambda: backend.arrived == ["hold-1", "h3"], "the next request is served while the backend still holds")
+    backend.release("h3")
+    after.join(30)
+    backend.release("hold-1")
+    assert after.status == 200
