@@ -6,6 +6,7 @@ backend is the order the queue served them."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import socket
@@ -150,17 +151,24 @@ def test_overflow_gets_429_queue_full_the_rest_complete_in_order_and_high_priori
     assert _depth(pc) == 0
 
 
-def test_a_client_that_leaves_the_queue_leaves_nothing_behind(queued, gate_backend):
-    pc, backend = queued, gate_backend
-    backend.arrived.clear()
-    holder = Stream(pc, "h1")
-    _until(lambda: backend.arrived == ["h1"], "h1 holds the one slot")
-    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "gone"}], "stream": True}).encode()
+@contextlib.contextmanager
+def _raw_stream_request(pc: ProxyConsole, tag: str) -> Iterator[None]:
+    """A stream request sent on a bare socket, which the client leaves (closes) on exit."""
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": tag}], "stream": True}).encode()
     host, port = pc.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port))) as s:
         s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                   b"Authorization: Bearer " + pc.key.encode() + b"\r\nContent-Length: "
                   + str(len(body)).encode() + b"\r\n\r\n" + body)
+        yield
+
+
+def test_a_client_that_leaves_the_queue_leaves_nothing_behind(queued, gate_backend):
+    pc, backend = queued, gate_backend
+    backend.arrived.clear()
+    holder = Stream(pc, "h1")
+    _until(lambda: backend.arrived == ["h1"], "h1 holds the one slot")
+    with _raw_stream_request(pc, "gone"):
         _until(lambda: _depth(pc) == 1, "the request waits in the queue")
     _until(lambda: _depth(pc) == 0, "the client that left is no longer queued")
     backend.release("h1")
@@ -184,12 +192,7 @@ def test_a_client_that_leaves_before_the_backend_answers_frees_its_slot(queued, 
     has not sent a byte (a long prefill) no longer holds the slot once its client is gone."""
     pc, backend = queued, gate_backend
     backend.arrived.clear()
-    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hold-1"}], "stream": True}).encode()
-    host, port = pc.url.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port))) as s:
-        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  b"Authorization: Bearer " + pc.key.encode() + b"\r\nContent-Length: "
-                  + str(len(body)).encode() + b"\r\n\r\n" + body)
+    with _raw_stream_request(pc, "hold-1"):
         _until(lambda: backend.arrived == ["hold-1"], "the backend has the request")
         time.sleep(0.3)  # past the watch's start
         assert _in_flight(pc) == 1
