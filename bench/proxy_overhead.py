@@ -24,8 +24,12 @@ and /api/inference/tokenize, each as added p50 over direct, as a ratio to the mi
 as a difference from the console's own chat figure (target: +0.2 ms at most).
 
 A minimal pooled-aiohttp proxy (30 lines, below) runs beside the console as a second baseline,
-and the idle-gap probe sends one request, then (after another gap) one stream, to each target after idle gaps like a real client's
-(0.02 s, 1.2 s, 35 s): back-to-back benchmarks never see caches that expire between requests.
+and for small requests a floor: uvicorn and the console's own HTTP/1.1 client with nothing else,
+the most req/s any proxy on the console's stack can reach on this machine (as a ratio to the
+minimal proxy's: the client and the backend share the cores with it). The idle-gap probe sends
+one request, then (after another gap) one stream, to each target after idle gaps like a real
+client's (0.02 s, 1.2 s, 35 s): back-to-back benchmarks never see caches that expire between
+requests.
 """
 from __future__ import annotations
 
@@ -139,6 +143,41 @@ def run_minimal_proxy(port: int, upstream_port: int) -> None:
     app.router.add_post("/v1/{tail:.*}", forward)
     app.router.add_post("/api/inference/{tail:.*}", forward)
     web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
+
+
+def run_floor_proxy(port: int, upstream_port: int) -> None:
+    """The floor of the console's own stack: uvicorn (httptools) and the console's HTTP/1.1 client
+    (serving/proxy/http1.py), a request read, forwarded and answered, and nothing else (no auth,
+    routing, limits or accounting). Its req/s over the minimal proxy's is the most any proxy on
+    this stack can reach on this machine, with the client and the backend beside it."""
+    sys.path.insert(0, str(REPO))
+    import uvicorn
+
+    from serving.proxy import http1
+
+    base = f"http://127.0.0.1:{upstream_port}"
+    state: dict[str, http1.Client] = {}
+
+    async def app(scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return
+        client = state.get("client") or state.setdefault("client", http1.Client(connect_timeout_s=5))
+        parts, more = [], True
+        while more:
+            message = await receive()
+            parts.append(message.get("body", b""))
+            more = message.get("more_body", False)
+        path = scope["path"].removeprefix("/api/inference")
+        answer = await client.post(base, path, b"".join(parts), b"content-type: application/json\r\n")
+        await send({"type": "http.response.start", "status": answer.status,
+                    "headers": [(k, v) for k, v in answer.headers if k in (b"content-type", b"content-length")]})
+        async for chunk in answer.iter_any():
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+        answer.release()
+
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False, lifespan="off",
+                http="httptools")
 
 
 # ---------------------------------------------------------------- processes
@@ -293,7 +332,7 @@ async def streams(session, url: str, headers: dict, body: dict, n: int, concurre
 
 
 async def measure(server: str, console: ConsoleProcess, fast_port: int, llama_port: int, minimal_port: int,
-                  pids: dict[str, int], scale: float) -> list[str]:
+                  pids: dict[str, int], scale: float, floor_port: int) -> list[str]:
     import aiohttp
 
     auth = {"Authorization": f"Bearer {console.key}", "Content-Type": "application/json"}
@@ -301,6 +340,7 @@ async def measure(server: str, console: ConsoleProcess, fast_port: int, llama_po
     direct_url = f"http://127.0.0.1:{fast_port}/v1/chat/completions"
     proxy_url = f"{console.url}/v1/chat/completions"
     minimal_url = f"http://127.0.0.1:{minimal_port}/v1/chat/completions"
+    floor_url = f"http://127.0.0.1:{floor_port}/v1/chat/completions"
     lines = []
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
@@ -308,8 +348,9 @@ async def measure(server: str, console: ConsoleProcess, fast_port: int, llama_po
         await small_requests(session, proxy_url, auth, 200, 8)
         for concurrency, n in ((1, 400), (16, 2000), (64, 3000)):
             n = max(concurrency * 4, int(n * scale)) // ROUNDS * ROUNDS
-            d_lat, p_lat, m_lat, d_wall, p_wall, m_wall = [], [], [], 0.0, 0.0, 0.0
+            d_lat, p_lat, m_lat, d_wall, p_wall, m_wall, f_wall = [], [], [], 0.0, 0.0, 0.0, 0.0
             for _ in range(ROUNDS):  # interleaved, so drift on a shared machine hits every side
+                f_wall += (await small_requests(session, floor_url, plain, n // ROUNDS, concurrency))[1]
                 lat, wall = await small_requests(session, direct_url, plain, n // ROUNDS, concurrency)
                 d_lat, d_wall = d_lat + lat, d_wall + wall
                 lat, wall = await small_requests(session, proxy_url, auth, n // ROUNDS, concurrency)
@@ -322,6 +363,11 @@ async def measure(server: str, console: ConsoleProcess, fast_port: int, llama_po
                 f"{server:8} small c={concurrency:<3} minimal proxy p50 {1000 * pct(m_lat, .5):6.2f} ms "
                 f"{n / m_wall:6.0f} req/s, added p50 {1000 * m_added:+6.2f} ms | console/minimal: added p50 "
                 f"{added / m_added if m_added > 0 else float('nan'):.2f}x, req/s {m_wall / p_wall:.2f}x"
+            )
+            lines.append(
+                f"{server:8} small c={concurrency:<3} floor (uvicorn + the console's client, nothing else) "
+                f"{n / f_wall:6.0f} req/s = {m_wall / f_wall:.2f}x the minimal proxy's (the most a proxy on this "
+                f"stack reaches here) | console/floor req/s {f_wall / p_wall:.2f}x"
             )
             lines.append(
                 f"{server:8} small c={concurrency:<3} n={n:<5} direct p50 {1000 * pct(d_lat, .5):6.2f} ms "
@@ -511,6 +557,7 @@ def main() -> None:
                              "where clients and backends are not on the proxy's cores")
     parser.add_argument("--upstream", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--minimal-proxy", help=argparse.SUPPRESS)
+    parser.add_argument("--floor-proxy", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.upstream:
         run_upstream(args.upstream)
@@ -518,6 +565,10 @@ def main() -> None:
     if args.minimal_proxy:
         port, upstream_port = args.minimal_proxy.split(":")
         run_minimal_proxy(int(port), int(upstream_port))
+        return
+    if args.floor_proxy:
+        port, upstream_port = args.floor_proxy.split(":")
+        run_floor_proxy(int(port), int(upstream_port))
         return
     sys.path.insert(0, str(REPO))
     if args.pin:
@@ -547,9 +598,14 @@ def main() -> None:
             minimal_port = free_port()
             minimal = subprocess.Popen([PYTHON, __file__, "--minimal-proxy", f"{minimal_port}:{fast_port}"])
             procs.append(minimal)
+            floor_port = free_port()
+            floor = subprocess.Popen([PYTHON, __file__, "--floor-proxy", f"{floor_port}:{fast_port}"])
+            procs.append(floor)
             if args.pin:
                 os.sched_setaffinity(minimal.pid, {1})
+                os.sched_setaffinity(floor.pid, {1})
             wait_http(f"http://127.0.0.1:{fast_port}/v1/models", upstream)
+            wait_http(f"http://127.0.0.1:{floor_port}/v1/models", floor)
             wait_http(f"http://127.0.0.1:{llama_port}/v1/models", llama)
             wait_http(f"http://127.0.0.1:{minimal_port}/v1/models", minimal)
             print(f"proxy overhead on loopback, {os.cpu_count()} CPUs; every 'direct' is measured in this run")
@@ -571,7 +627,7 @@ def main() -> None:
                     pids = {"upstream": upstream.pid, "minimal": minimal.pid}
                     if args.only == "all":
                         for line in asyncio.run(measure(server, console, fast_port, llama_port, minimal_port,
-                                                        pids, args.scale)):
+                                                        pids, args.scale, floor_port)):
                             print(line, flush=True)
                     if args.only == "streams":
                         for line in asyncio.run(unpaced_streams(server, console, fast_port, minimal_port, pids,
