@@ -499,7 +499,8 @@ async def unpaced_streams(server: str, console: ConsoleProcess, fast_port: int, 
 async def idle_gaps(targets: dict[str, tuple[str, dict]], gaps: list[float], samples: int) -> list[str]:
     """After each idle gap, one small request to each target, and after another gap of the same
     length one stream to each (its time to first chunk); p50/p90 per gap, and each target's added
-    latency over direct as a ratio to the minimal proxy's."""
+    latency over direct as a ratio to the minimal proxy's. Samples: a multiple of the number of
+    targets, so that each goes first after a gap equally often."""
     import aiohttp
 
     body = json.dumps(SMALL).encode()
@@ -512,16 +513,22 @@ async def idle_gaps(targets: dict[str, tuple[str, dict]], gaps: list[float], sam
         for gap in gaps:
             times: dict[str, list[float]] = {name: [] for name in targets}
             ttfc: dict[str, list[float]] = {name: [] for name in targets}
-            for _ in range(samples):
+            names = list(targets)
+            for sample in range(samples):
+                # Whoever goes first after a gap also wakes what the targets share (the backend, the
+                # client, idle CPUs): the order turns each sample, so each target goes first as often.
+                turn = names[sample % len(names):] + names[:sample % len(names)]
                 await asyncio.sleep(gap)
-                for name, (url, headers) in targets.items():
+                for name in turn:
+                    url, headers = targets[name]
                     t0 = time.perf_counter()
                     async with session.post(url, data=body, headers=headers) as r:
                         await r.read()
                         assert r.status == 200, (name, r.status)
                     times[name].append(time.perf_counter() - t0)
                 await asyncio.sleep(gap)
-                for name, (url, headers) in targets.items():
+                for name in turn:
+                    url, headers = targets[name]
                     first, _, _ = await one_stream(session, url, headers, stream_body)
                     ttfc[name].append(first)
             for label, got in (("small", times), ("TTFC ", ttfc)):

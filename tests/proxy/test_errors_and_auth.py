@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from contextlib import closing
 
@@ -262,3 +263,39 @@ def test_new_request_ids_are_uuid7_and_ordered_by_time():
         assert abs(int(value[:12], 16) - time.time() * 1000) < 60_000  # its first 48 bits: now, in ms
     assert all(later > v for v in first)  # a later millisecond sorts after every earlier id
     assert sorted(first, key=lambda v: v[:12]) == first  # the time prefix never goes back
+
+
+@pytest.mark.parametrize("body, kept", [
+    # A plain JSON object: the member goes in before its closing brace, every other byte as sent.
+    (b'{ "model": "m", "stream": true, "messages": [{"role": "user", "content": "\\u00e9 caf\\u00e9"}] }\n', True),
+    (b'{"stream":true,"model":"m"}', True),
+    # Not plainly a UTF-8 object: re-serialised, still with usage asked for.
+    ('{"stream": true, "model": "m"}'.encode("utf-16"), False),
+    (b'\xef\xbb\xbf{"stream": true, "model": "m"}', False),
+])
+async def test_stream_usage_is_asked_for_without_rewriting_the_body(body, kept):
+    from serving.proxy.app import admit_request, parse_body
+    from serving.usage import RequestContext
+
+    ctx = RequestContext(request_id="r")
+    out = await admit_request(ctx, parse_body(body), body, operation="chat")
+    assert ctx.drop_usage_chunk
+    assert json.loads(out)["stream_options"] == {"include_usage": True}
+    assert json.loads(out)["model"] == "m"
+    if kept:
+        end = body.rstrip().rindex(b"}")
+        assert out == body[:end] + b',"stream_options":{"include_usage":true}' + body[end:]
+
+
+async def test_stream_options_the_client_sent_are_kept_beside_include_usage():
+    from serving.proxy.app import admit_request
+    from serving.usage import RequestContext
+
+    ctx = RequestContext(request_id="r")
+    payload = {"model": "m", "stream": True, "stream_options": {"continuous_usage_stats": True}}
+    out = await admit_request(ctx, dict(payload), json.dumps(payload).encode(), operation="chat")
+    assert json.loads(out)["stream_options"] == {"continuous_usage_stats": True, "include_usage": True}
+    plain = json.dumps({"model": "m", "stream": True, "stream_options": {"include_usage": True}}).encode()
+    ctx = RequestContext(request_id="r")
+    assert await admit_request(ctx, json.loads(plain), plain, operation="chat") is plain
+    assert not ctx.drop_usage_chunk
