@@ -5,6 +5,7 @@ The proxy's hot path (`/v1/`, `/api/inference/`) never enters Django's request h
 """
 from __future__ import annotations
 
+import gc
 import os
 
 from django.core.asgi import get_asgi_application
@@ -48,3 +49,11 @@ async def application(scope, receive, send):
                 await shutdown_proxy()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
+
+
+# What is alive once everything is imported (~130,000 objects: Django, the apps, the proxy) lives
+# as long as the process: it moves to the collector's permanent generation, so full collections
+# no longer walk it. Without this, at 64 concurrent requests the objects of requests in flight
+# promoted at each collection set off a full one every 1-2 s that took up to 65 ms, the p99.
+gc.collect()
+gc.freeze()

@@ -11,7 +11,7 @@ from django.db import connections
 
 from accounts.credentials import Principal
 from serving.models import RequestLog
-from serving.usage import RequestContext, UsageRecorder, _insert_request_rows
+from serving.usage import ROW_FIELDS, RequestContext, UsageRecorder, _insert_request_rows
 from tests.cluster.harness import PG_ADMIN_DSN, _pg_admin
 from xgenconsole.env import database_from_url
 
@@ -30,6 +30,10 @@ def _rows() -> list[dict]:
          "instance_id": None, "node": "", "status": 429, "error": "rate_limited", "ttft_ms": None,
          "duration_ms": 0.5, "prompt_tokens": 0, "completion_tokens": 0, "stream": False, "client": ""},
     ]
+
+
+def _tuples(rows: list[dict]) -> list[tuple]:
+    return [tuple(row[name] for name in ROW_FIELDS) for row in rows]
 
 
 def _check(rows: list[dict], stored: list[dict]) -> None:
@@ -64,7 +68,7 @@ def test_counted_requests_read_back_whole():
 @pytest.mark.django_db
 def test_the_insert_writes_every_field_on_sqlite():
     rows = _rows()
-    _insert_request_rows(RequestLog, rows)
+    _insert_request_rows(RequestLog, _tuples(rows))
     _check(rows, list(RequestLog.objects.order_by("pk").values()))
 
 
@@ -83,9 +87,16 @@ def test_the_insert_writes_every_field_on_postgresql(django_db_blocker, tmp_path
             with connections[alias].schema_editor() as editor:
                 editor.create_model(RequestLog)
             rows = _rows()
-            _insert_request_rows(RequestLog, rows, using=alias)
+            _insert_request_rows(RequestLog, _tuples(rows), using=alias)
             _check(rows, list(RequestLog.objects.using(alias).order_by("pk").values()))
             connections[alias].close()
     finally:
         connections.settings.pop(alias, None)
         _pg_admin(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
+
+
+def test_row_fields_name_every_request_log_field():
+    """A field added to RequestLog and not to ROW_FIELDS would be written as its default, or
+    shift the others: the writer refuses such a list."""
+    assert set(ROW_FIELDS) == {f.name for f in RequestLog._meta.concrete_fields if not f.primary_key}
+    assert ROW_FIELDS[0] == "at"
