@@ -499,8 +499,8 @@ async def unpaced_streams(server: str, console: ConsoleProcess, fast_port: int, 
 async def idle_gaps(targets: dict[str, tuple[str, dict]], gaps: list[float], samples: int) -> list[str]:
     """After each idle gap, one small request to each target, and after another gap of the same
     length one stream to each (its time to first chunk); p50/p90 per gap, and each target's added
-    latency over direct as a ratio to the minimal proxy's. Samples: a multiple of the number of
-    targets, so that each goes first after a gap equally often."""
+    latency over direct as a ratio to the minimal proxy's. `samples` is rounded up to a multiple of
+    the number of targets, so that each goes first after a gap equally often."""
     import aiohttp
 
     body = json.dumps(SMALL).encode()
@@ -514,7 +514,7 @@ async def idle_gaps(targets: dict[str, tuple[str, dict]], gaps: list[float], sam
             times: dict[str, list[float]] = {name: [] for name in targets}
             ttfc: dict[str, list[float]] = {name: [] for name in targets}
             names = list(targets)
-            for sample in range(samples):
+            for sample in range(-(-samples // len(names)) * len(names)):  # a multiple of the targets
                 # Whoever goes first after a gap also wakes what the targets share (the backend, the
                 # client, idle CPUs): the order turns each sample, so each target goes first as often.
                 turn = names[sample % len(names):] + names[:sample % len(names)]
@@ -555,7 +555,8 @@ def main() -> None:
                         help="consoles to measure: daphne, uvicorn[:asyncio|:uvloop] (uvloop only when installed)")
     parser.add_argument("--scale", type=float, default=1.0, help="multiply request counts")
     parser.add_argument("--gaps", default="0.02,1.2,35", help="idle gaps (s) for the probe; empty: skip it")
-    parser.add_argument("--gap-samples", type=int, default=6, help="requests per target per gap")
+    parser.add_argument("--gap-samples", type=int, default=6,
+                        help="requests per target per gap (rounded up to a multiple of the targets)")
     parser.add_argument("--only", choices=["all", "passthrough", "streams"], default="all",
                         help="passthrough: only the passthrough routes beside chat (and the idle gaps); "
                              "streams: only 64 unpaced streams, direct / minimal proxy / console, with CPU time")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import socket
 import time
 from urllib.parse import quote
 
@@ -27,6 +28,22 @@ KEEPALIVE_S = 30.0
 READ_HIGH = 1 << 20  # unread answer bytes past which the connection stops reading
 READ_LOW = 1 << 18
 SAFE_TARGET_RE = re.compile(r"[!-~]*")  # printable ASCII without spaces: sent as it is
+TCP_IDLE_S = 30  # keepalive probes after this much silence on a backend connection
+TCP_INTERVAL_S = 10
+
+
+def _keepalive(sock) -> None:
+    """TCP keepalive probes on a backend connection: an answer can take minutes to start (a long
+    prefill) and nothing bounds the wait for it, so a backend host that vanished without closing
+    (power loss, a cut link) is found by the kernel within TCP_IDLE_S + 3 x TCP_INTERVAL_S."""
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        if hasattr(socket, "TCP_KEEPIDLE"):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, TCP_IDLE_S)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, TCP_INTERVAL_S)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
+    except OSError:
+        pass
 
 
 class UpstreamError(Exception):
@@ -176,6 +193,9 @@ class _Connection(asyncio.Protocol):
     # -- asyncio
     def connection_made(self, transport) -> None:
         self.transport = transport
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            _keepalive(sock)
 
     def data_received(self, data: bytes) -> None:
         if self.waiter is None and self.response is None:

@@ -239,3 +239,17 @@ async def test_a_target_with_unsafe_bytes_is_quoted(client):
         response = await client.post(backend.url, "/x?q=a b\r\nx", b"", b"")
         await response.read()
         assert backend.requests[0].startswith(b"POST /x?q=a%20b%0D%0Ax HTTP/1.1\r\n")
+
+
+async def test_backend_connections_probe_a_silent_peer(client):
+    """Nothing bounds the wait for an answer (a prefill can take minutes): TCP keepalive finds a
+    backend host that vanished without closing."""
+    import socket
+
+    async with Backend(fixed(JSON_OK)) as backend:
+        response = await client.post(backend.url, "/x", b"", b"")
+        sock = response._conn.transport.get_extra_info("socket")
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == http1.TCP_IDLE_S
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL) == http1.TCP_INTERVAL_S
+        await response.read()
