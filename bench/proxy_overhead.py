@@ -26,7 +26,8 @@ as a difference from the console's own chat figure (target: +0.2 ms at most).
 A minimal pooled-aiohttp proxy (30 lines, below) runs beside the console as a second baseline,
 and for small requests a floor: uvicorn and the console's own HTTP/1.1 client with nothing else,
 the most req/s any proxy on the console's stack can reach on this machine (as a ratio to the
-minimal proxy's: the client and the backend share the cores with it). The idle-gap probe sends
+minimal proxy's: the client and the backend share the cores with it), and nginx when installed
+(the stretch target: the console's added p50 within +1 ms of nginx's). The idle-gap probe sends
 one request, then (after another gap) one stream, to each target after idle gaps like a real
 client's (0.02 s, 1.2 s, 35 s): back-to-back benchmarks never see caches that expire between
 requests.
@@ -37,6 +38,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -178,6 +180,37 @@ def run_floor_proxy(port: int, upstream_port: int) -> None:
 
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False, lifespan="off",
                 http="httptools")
+
+
+def start_nginx(port: int, upstream_port: int, workdir: Path) -> subprocess.Popen | None:
+    """nginx as a reverse proxy to the fast upstream (a keep-alive pool, no buffering), when it is
+    installed (Debian: nginx-light): the stretch target's baseline. None without nginx."""
+    binary = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
+    if binary is None:
+        return None
+    home = workdir / "nginx"
+    home.mkdir(exist_ok=True)
+    temp = " ".join(f"{kind}_temp_path {home}/{kind};" for kind in ("client_body", "proxy", "fastcgi", "uwsgi",
+                                                                    "scgi"))
+    (home / "nginx.conf").write_text(f"""
+{"user root;" if os.geteuid() == 0 else ""}
+worker_processes 1;
+daemon off;
+pid {home}/nginx.pid;
+error_log {home}/error.log warn;
+events {{ worker_connections 4096; }}
+http {{
+  access_log off;
+  {temp}
+  upstream fast {{ server 127.0.0.1:{upstream_port}; keepalive 256; }}
+  server {{
+    listen 127.0.0.1:{port};
+    location / {{ proxy_pass http://fast; proxy_http_version 1.1; proxy_set_header Connection ""; proxy_buffering off; }}
+  }}
+}}
+""")
+    return subprocess.Popen([binary, "-p", str(home), "-c", str(home / "nginx.conf")],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 # ---------------------------------------------------------------- processes
@@ -332,7 +365,7 @@ async def streams(session, url: str, headers: dict, body: dict, n: int, concurre
 
 
 async def measure(server: str, console: ConsoleProcess, fast_port: int, llama_port: int, minimal_port: int,
-                  pids: dict[str, int], scale: float, floor_port: int) -> list[str]:
+                  pids: dict[str, int], scale: float, floor_port: int, nginx_port: int | None) -> list[str]:
     import aiohttp
 
     auth = {"Authorization": f"Bearer {console.key}", "Content-Type": "application/json"}
@@ -341,6 +374,7 @@ async def measure(server: str, console: ConsoleProcess, fast_port: int, llama_po
     proxy_url = f"{console.url}/v1/chat/completions"
     minimal_url = f"http://127.0.0.1:{minimal_port}/v1/chat/completions"
     floor_url = f"http://127.0.0.1:{floor_port}/v1/chat/completions"
+    nginx_url = f"http://127.0.0.1:{nginx_port}/v1/chat/completions" if nginx_port else None
     lines = []
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
@@ -349,8 +383,12 @@ async def measure(server: str, console: ConsoleProcess, fast_port: int, llama_po
         for concurrency, n in ((1, 400), (16, 2000), (64, 3000)):
             n = max(concurrency * 4, int(n * scale)) // ROUNDS * ROUNDS
             d_lat, p_lat, m_lat, d_wall, p_wall, m_wall, f_wall = [], [], [], 0.0, 0.0, 0.0, 0.0
+            n_lat, n_wall = [], 0.0
             for _ in range(ROUNDS):  # interleaved, so drift on a shared machine hits every side
                 f_wall += (await small_requests(session, floor_url, plain, n // ROUNDS, concurrency))[1]
+                if nginx_url:
+                    lat, wall = await small_requests(session, nginx_url, plain, n // ROUNDS, concurrency)
+                    n_lat, n_wall = n_lat + lat, n_wall + wall
                 lat, wall = await small_requests(session, direct_url, plain, n // ROUNDS, concurrency)
                 d_lat, d_wall = d_lat + lat, d_wall + wall
                 lat, wall = await small_requests(session, proxy_url, auth, n // ROUNDS, concurrency)
@@ -369,6 +407,13 @@ async def measure(server: str, console: ConsoleProcess, fast_port: int, llama_po
                 f"{n / f_wall:6.0f} req/s = {m_wall / f_wall:.2f}x the minimal proxy's (the most a proxy on this "
                 f"stack reaches here) | console/floor req/s {f_wall / p_wall:.2f}x"
             )
+            if nginx_url:
+                n_added = pct(n_lat, .5) - pct(d_lat, .5)
+                lines.append(
+                    f"{server:8} small c={concurrency:<3} nginx p50 {1000 * pct(n_lat, .5):6.2f} ms {n / n_wall:6.0f} "
+                    f"req/s, added p50 {1000 * n_added:+6.2f} ms | console's added p50 - nginx's "
+                    f"{1000 * (added - n_added):+.2f} ms (stretch: <= +1 ms), req/s {n_wall / p_wall:.2f}x nginx's"
+                )
             lines.append(
                 f"{server:8} small c={concurrency:<3} n={n:<5} direct p50 {1000 * pct(d_lat, .5):6.2f} ms "
                 f"p99 {1000 * pct(d_lat, .99):6.2f} ms {n / d_wall:6.0f} req/s | proxy p50 "
@@ -609,11 +654,20 @@ def main() -> None:
             floor_port = free_port()
             floor = subprocess.Popen([PYTHON, __file__, "--floor-proxy", f"{floor_port}:{fast_port}"])
             procs.append(floor)
+            nginx_port = free_port()
+            nginx = start_nginx(nginx_port, fast_port, work)
+            if nginx is None:
+                nginx_port = None
+                print("nginx is not installed (Debian: nginx-light): its baseline is left out")
+            else:
+                procs.append(nginx)
             if args.pin:
                 os.sched_setaffinity(minimal.pid, {1})
                 os.sched_setaffinity(floor.pid, {1})
             wait_http(f"http://127.0.0.1:{fast_port}/v1/models", upstream)
             wait_http(f"http://127.0.0.1:{floor_port}/v1/models", floor)
+            if nginx is not None:
+                wait_http(f"http://127.0.0.1:{nginx_port}/v1/models", nginx)
             wait_http(f"http://127.0.0.1:{llama_port}/v1/models", llama)
             wait_http(f"http://127.0.0.1:{minimal_port}/v1/models", minimal)
             print(f"proxy overhead on loopback, {os.cpu_count()} CPUs; every 'direct' is measured in this run")
@@ -635,7 +689,7 @@ def main() -> None:
                     pids = {"upstream": upstream.pid, "minimal": minimal.pid}
                     if args.only == "all":
                         for line in asyncio.run(measure(server, console, fast_port, llama_port, minimal_port,
-                                                        pids, args.scale, floor_port)):
+                                                        pids, args.scale, floor_port, nginx_port)):
                             print(line, flush=True)
                     if args.only == "streams":
                         for line in asyncio.run(unpaced_streams(server, console, fast_port, minimal_port, pids,
