@@ -322,7 +322,7 @@ class _HostPool:
         self._sweeper = None
         deadline = time.monotonic() - KEEPALIVE_S
         while self.idle and self.idle[0].idle_since <= deadline:
-            self.idle[0].close()  # close() takes it out of the list
+            self.idle.pop(0).close()
         if self.idle:
             wait = self.idle[0].idle_since + KEEPALIVE_S - time.monotonic()
             self._sweeper = asyncio.get_running_loop().call_later(max(wait, 0.1), self._sweep)
