@@ -263,9 +263,12 @@ async def admit_request(ctx: RequestContext, payload: dict, body: bytes, *, oper
     if ctx.stream and operation in ("chat", "completions"):
         options = payload.get("stream_options")
         if not (isinstance(options, dict) and options.get("include_usage") is True):
+            # Only a body without the member takes it as bytes: one with `"stream_options": null`
+            # (or anything else) would end up with the key twice.
+            added = None if "stream_options" in payload else _with_member(body, INCLUDE_USAGE)
             payload["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
             ctx.drop_usage_chunk = True
-            body = (_with_member(body, INCLUDE_USAGE) if options is None else None) or json.dumps(payload).encode()
+            body = added or json.dumps(payload).encode()
     return body
 
 

@@ -295,6 +295,10 @@ async def test_stream_options_the_client_sent_are_kept_beside_include_usage():
     payload = {"model": "m", "stream": True, "stream_options": {"continuous_usage_stats": True}}
     out = await admit_request(ctx, dict(payload), json.dumps(payload).encode(), operation="chat")
     assert json.loads(out)["stream_options"] == {"continuous_usage_stats": True, "include_usage": True}
+    nulled = b'{"model": "m", "stream": true, "stream_options": null}'
+    out = await admit_request(RequestContext(request_id="r"), json.loads(nulled), nulled, operation="chat")
+    assert json.loads(out, object_pairs_hook=lambda pairs: [k for k, _ in pairs]).count("stream_options") == 1
+    assert json.loads(out)["stream_options"] == {"include_usage": True}
     plain = json.dumps({"model": "m", "stream": True, "stream_options": {"include_usage": True}}).encode()
     ctx = RequestContext(request_id="r")
     assert await admit_request(ctx, json.loads(plain), plain, operation="chat") is plain
