@@ -37,8 +37,9 @@ log = logging.getLogger("xgen.usage")
 REQUEST_ROWS_MAX = 50_000  # rows held while the database is down; the oldest go first past this
 # A request-log row as the proxy keeps it until the next write: a tuple of plain values in this
 # order (the RequestLog fields but its primary key). The garbage collector stops tracking such a
-# tuple at its first collection; rows held as dicts (a write's worth, 5 s of requests) were promoted to the oldest
-# generation and set off its full collections: 13 in 16 s at c=64, up to 59 ms each, the p99.
+# tuple at its first collection, where a dict row stayed tracked for up to a write's interval
+# (5 s of requests). This alone did not end the full collections at c=64 (12 in 16 s instead of
+# 13): the frozen start-up heap did (xgenconsole/asgi.py).
 ROW_FIELDS = ("at", "request_id", "key_id", "key_name", "username", "model", "instance_id", "node", "status",
               "error", "ttft_ms", "duration_ms", "prompt_tokens", "completion_tokens", "stream", "client")
 GROUPS = {"key": ("key_id", "key_name"), "user": ("username",), "model": ("model",), "node": ("node",),

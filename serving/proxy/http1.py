@@ -25,8 +25,7 @@ from urllib.parse import quote
 import httptools
 
 KEEPALIVE_S = 30.0
-READ_HIGH = 1 << 20  # unread answer bytes past which the connection stops reading
-READ_LOW = 1 << 18
+READ_HIGH = 1 << 20  # unread answer bytes past which the connection stops reading (until they are taken)
 SAFE_TARGET_RE = re.compile(r"[!-~]*")  # printable ASCII without spaces: sent as it is
 TCP_IDLE_S = 30  # keepalive probes after this much silence on a backend connection
 TCP_INTERVAL_S = 10
