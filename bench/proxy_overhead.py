@@ -559,7 +559,8 @@ async def idle_gaps(targets: dict[str, tuple[str, dict]], gaps: list[float], sam
             times: dict[str, list[float]] = {name: [] for name in targets}
             ttfc: dict[str, list[float]] = {name: [] for name in targets}
             names = list(targets)
-            for sample in range(-(-samples // len(names)) * len(names)):  # a multiple of the targets
+            taken = -(-samples // len(names)) * len(names)  # a multiple of the targets
+            for sample in range(taken):
                 # Whoever goes first after a gap also wakes what the targets share (the backend, the
                 # client, idle CPUs): the order turns each sample, so each target goes first as often.
                 turn = names[sample % len(names):] + names[:sample % len(names)]
@@ -585,7 +586,7 @@ async def idle_gaps(targets: dict[str, tuple[str, dict]], gaps: list[float], sam
                     ratio = "" if name in ("direct", "minimal") else (
                         f" = {add50 / minimal50:.2f}x / {add90 / minimal90:.2f}x the minimal proxy's"
                         if minimal50 > 0 and minimal90 > 0 else "")
-                    lines.append(f"idle gap {gap:>5g} s n={samples:<3} {label} {name:16} p50 "
+                    lines.append(f"idle gap {gap:>5g} s n={taken:<3} {label} {name:16} p50 "
                                  f"{1000 * pct(values, .5):6.2f} ms p90 {1000 * pct(values, .9):6.2f} ms | added p50 "
                                  f"{1000 * add50:+6.2f} ms p90 {1000 * add90:+6.2f} ms{ratio}")
     return lines

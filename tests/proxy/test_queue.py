@@ -107,10 +107,19 @@ class Stream(threading.Thread):
             self.text = "".join(r.iter_text())
 
 
-def _depth(pc: ProxyConsole) -> float:
+def _gauge(pc: ProxyConsole, family: str, labels: str) -> float:
+    """The model's value of a gauge family on /metrics (0 when absent); `labels` a regex."""
     text = httpx.get(f"{pc.url}/metrics", headers=pc.auth, timeout=10).text
-    found = re.search(r'^xgen_queue_depth\{model="' + MODEL + r'"\} (\S+)$', text, re.M)
+    found = re.search(rf'^{family}\{{{labels}\}} (\S+)$', text, re.M)
     return float(found.group(1)) if found else 0.0
+
+
+def _depth(pc: ProxyConsole) -> float:
+    return _gauge(pc, "xgen_queue_depth", f'model="{MODEL}"')
+
+
+def _in_flight(pc: ProxyConsole) -> float:
+    return _gauge(pc, "xgen_inference_in_flight", rf'instance="\d+",model="{MODEL}"')
 
 
 def _until(predicate, what: str, timeout: float = 30) -> None:
@@ -179,12 +188,6 @@ def test_a_client_that_leaves_the_queue_leaves_nothing_behind(queued, gate_backe
     backend.release("h2")
     after.join(30)
     assert after.status == 200 and "gone" not in backend.arrived
-
-
-def _in_flight(pc: ProxyConsole) -> float:
-    text = httpx.get(f"{pc.url}/metrics", headers=pc.auth, timeout=10).text
-    found = re.search(r'^xgen_inference_in_flight\{instance="\d+",model="' + MODEL + r'"\} (\S+)$', text, re.M)
-    return float(found.group(1)) if found else 0.0
 
 
 def test_a_client_that_leaves_before_the_backend_answers_frees_its_slot(queued, gate_backend):
