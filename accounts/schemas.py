@@ -6,8 +6,10 @@ from typing import Literal
 
 from ninja import Field, Schema
 
+from accounts.bodies import StrictBody
 
-class KeyIn(Schema):
+
+class KeyIn(StrictBody):
     name: str = Field(..., min_length=1, max_length=100)
     username: str = Field(..., min_length=1, max_length=150, description="the user the key acts for")
     expires_in_days: int | None = Field(None, ge=1, le=3650)
@@ -21,7 +23,7 @@ class KeyIn(Schema):
                           "when requests queue")
 
 
-class KeyPatch(Schema):
+class KeyPatch(StrictBody):
     """Only the fields sent change; null sets a limit (or the expiry) to unlimited."""
 
     name: str | None = Field(None, min_length=1, max_length=100)

@@ -2,6 +2,8 @@ from datetime import datetime
 
 from ninja import Field, Schema
 
+from accounts.bodies import StrictBody
+
 
 class StoredModelOut(Schema):
     prefix: str
@@ -18,7 +20,7 @@ class ModelPageOut(Schema):
     next: int | None
 
 
-class UploadIn(Schema):
+class UploadIn(StrictBody):
     local_path: str = Field(..., max_length=4096, description="absolute path on the node, under XGEN_IMPORT_DIRS")
     format: str = Field(..., max_length=32)
     name: str = Field(..., max_length=255)
@@ -44,7 +46,7 @@ class UploadJobOut(Schema):
     finished_at: datetime | None
 
 
-class DownloadIn(Schema):
+class DownloadIn(StrictBody):
     repo_id: str = Field(..., max_length=255)
     revision: str | None = Field(None, max_length=128)
     format: str = Field(..., max_length=32)
@@ -107,7 +109,7 @@ class NodeCacheOut(Schema):
     models: list[CachedModelOut]
 
 
-class CacheActionIn(Schema):
+class CacheActionIn(StrictBody):
     prefix: str = Field(..., max_length=512)
 
 

@@ -6,8 +6,10 @@ from typing import Literal
 
 from ninja import Field, Schema
 
+from accounts.bodies import StrictBody
 
-class LoadIn(Schema):
+
+class LoadIn(StrictBody):
     model_path: str = Field(..., max_length=1024)
     model_name: str | None = Field(None, max_length=128)
     server_type: str = Field("llm", description="llm, embedding or rerank (llama-server "
@@ -46,7 +48,7 @@ class LoadOut(Schema):
     autostart: bool = False
 
 
-class InstanceRef(Schema):
+class InstanceRef(StrictBody):
     id: int | None = None
     model_name: str | None = Field(None, max_length=128)
 

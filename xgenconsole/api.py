@@ -11,6 +11,7 @@ from ninja.errors import AuthenticationError, AuthorizationError, HttpError, Val
 
 from accounts.api import audit_router, keys_router
 from accounts.auth import api_auth
+from accounts.bodies import UNKNOWN_FIELD
 from accounts.errors import ApiError, json_error
 from hardware.api import router as hardware_router
 from hub.api import cache_router, download_router, storage_router
@@ -51,8 +52,19 @@ def _validation_message(exc: ValidationError) -> str:
     return "Invalid request: " + "; ".join(parts)
 
 
+def _unknown_fields(exc: ValidationError) -> list[str]:
+    """Each field a strict body (accounts.bodies) does not know, by its path in the body."""
+    return [".".join(str(p) for p in err.get("loc", ()) if p not in ("body", "payload", "query", "path"))
+            for err in exc.errors if err.get("type") == UNKNOWN_FIELD]
+
+
 @api.exception_handler(ValidationError)
 def on_validation_error(request: HttpRequest, exc: ValidationError):
+    unknown = _unknown_fields(exc)
+    if unknown:
+        names = ", ".join(repr(name[:64]) for name in unknown[:20])
+        return json_error(400, f"Unknown field{'s' if len(unknown) > 1 else ''} {names}: this body takes only "
+                               "the fields in the API reference (/api/docs).", code="unknown_field")
     return json_error(400, _validation_message(exc), code="invalid_request")
 
 
