@@ -31,6 +31,7 @@ from django.contrib.auth.signals import user_logged_out
 
 from accounts.errors import ErrorAnswer
 from accounts.models import ROLE_RANK, ApiKey, Role, hash_key
+from accounts.origins import origin_allowed
 from live.db import db_async, run_db
 from live.groups import GroupListener, send, send_sync
 from live.tasks import cancel_and_wait
@@ -488,9 +489,7 @@ def _origin_ok(headers: dict[bytes, bytes], scheme: str) -> bool:
     origin = headers.get(b"origin")
     if origin is None:
         return True
-    origin_s = origin.decode("latin-1")
-    host = headers.get(b"host", b"").decode("latin-1")
-    return origin_s == f"{scheme}://{host}" or origin_s in settings.CSRF_TRUSTED_ORIGINS
+    return origin_allowed(origin.decode("latin-1"), scheme=scheme, host=headers.get(b"host", b"").decode("latin-1"))
 
 
 async def authenticate(headers: dict[bytes, bytes], *, method: str, scheme: str = "http") -> Principal:

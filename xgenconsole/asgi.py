@@ -16,9 +16,9 @@ django_http = get_asgi_application()
 # Imported after Django is set up (consumers and the proxy touch models).
 from channels.auth import AuthMiddlewareStack  # noqa: E402
 from channels.routing import URLRouter  # noqa: E402
-from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
 from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: E402
 
+from accounts.origins import WebsocketOriginValidator  # noqa: E402
 from hardware.routing import websocket_urlpatterns as hardware_ws  # noqa: E402
 from hub.routing import websocket_urlpatterns as hub_ws  # noqa: E402
 from serving.proxy.app import PROXY_PREFIXES, proxy_app  # noqa: E402
@@ -26,7 +26,8 @@ from serving.proxy.upstream import shutdown_proxy  # noqa: E402
 from serving.routing import websocket_urlpatterns as serving_ws  # noqa: E402
 from xgenconsole.body_guard import guard_django  # noqa: E402
 
-websocket_app = AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter(hardware_ws + hub_ws + serving_ws)))
+# The exact scheme://host:port of the page (or XGEN_CSRF_TRUSTED_ORIGINS), as Django's CSRF check.
+websocket_app = WebsocketOriginValidator(AuthMiddlewareStack(URLRouter(hardware_ws + hub_ws + serving_ws)))
 http_app = guard_django(ASGIStaticFilesHandler(django_http))
 
 
