@@ -42,7 +42,9 @@ def _store_failed(exc: StoreError) -> ApiError:
 
 
 def _conflict(exc: Exception) -> ApiError:
-    return ApiError(409, str(exc), code="model_exists" if isinstance(exc, ModelExists) else "model_busy")
+    code = ("name_collision" if isinstance(exc, services.NameCollision) else
+            "model_exists" if isinstance(exc, ModelExists) else "model_busy")
+    return ApiError(409, str(exc), code=code)
 
 
 class ModelQuery(Schema):
@@ -167,25 +169,32 @@ def _job_out(job: DownloadJob) -> dict:
         "id": job.pk, "repo_id": job.repo_id, "revision": job.revision, "format": job.format, "status": job.status,
         "bytes_done": job.bytes_done, "bytes_total": job.bytes_total, "error": job.error or None,
         "target_prefix": job.target_prefix, "allow_patterns": job.allow_patterns or [], "files": job.files or [],
-        "node": job.node, "created_at": job.created_at, "finished_at": job.finished_at,
+        "node": job.node, "replace": job.replace, "created_at": job.created_at, "finished_at": job.finished_at,
     }
 
 
 @download_router.post("", response={202: DownloadJobOut}, auth=operator_auth,
                       summary="Start a Hugging Face download (operator+)")
 def start_download(request: HttpRequest, body: DownloadIn):
+    """409 `model_exists` for a model the store already holds from this repo (unless `replace`),
+    409 `name_collision` when the name made from the repo id holds a model of another origin (an
+    upload, or a repo id that makes the same name), 409 `model_busy` while another job writes it."""
     user = require_role(request, "operator")
     try:
         job = services.create_download_job(repo_id=body.repo_id, revision=body.revision, format=body.format,
-                                           allow_patterns=body.allow_patterns, user=user)
+                                           allow_patterns=body.allow_patterns, replace=body.replace, user=user)
     except (InvalidPrefix, services.HubInputError) as exc:
         record_audit(action="download", target=body.repo_id, request=request, outcome="refused",
                      detail={"reason": str(exc)})
         raise _bad_input(exc) from None
-    except services.PrefixBusy as exc:
+    except (ModelExists, services.PrefixBusy) as exc:
         record_audit(action="download", target=body.repo_id, request=request, outcome="refused",
                      detail={"reason": str(exc)})
         raise _conflict(exc) from None
+    except StoreError as exc:
+        record_audit(action="download", target=body.repo_id, request=request, outcome="failed",
+                     detail={"reason": str(exc)})
+        raise _store_failed(exc) from None
     record_audit(action="download", target=body.repo_id, request=request,
                  detail={"job": job.pk, "revision": job.revision, "format": job.format})
     publish_new_job(job)

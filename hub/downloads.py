@@ -96,6 +96,12 @@ async def _run_child(job: DownloadJob, dest: Path) -> list[dict]:
     proc = await asyncio.create_subprocess_exec(
         *cmd, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
         cwd=settings.BASE_DIR, start_new_session=True)
+    try:  # supervised like a backend: the agent that restarts after a kill -9 stops it (services.fail_orphaned_jobs)
+        await _update(job.pk, pid=proc.pid, pgid=proc.pid)
+    except BaseException:
+        _kill(proc)
+        await proc.wait()
+        raise
     files: list[dict] = []
     error: str | None = None
     stderr_tail: list[bytes] = []
@@ -156,8 +162,7 @@ async def run_download_job(job_id: int, *, node_name: str, store: ModelStore | N
     """Download a claimed job (status DOWNLOADING) and upload it to the store; returns the final job."""
     job = await _get_job(job_id)
     store = store or get_store()
-    work = Path(settings.DATA_DIR) / "downloads"
-    dest = work / f"job-{job.pk}"
+    dest, hf_home = services.download_dirs(job.pk)
     shutil.rmtree(dest, ignore_errors=True)
     dest.mkdir(parents=True, exist_ok=True)
     cancel = threading.Event()
@@ -174,9 +179,11 @@ async def run_download_job(job_id: int, *, node_name: str, store: ModelStore | N
         def on_upload(done: int, _total: int) -> None:
             progress_state["done"] = done
 
-        # A download replaces what the store holds under its name (the job holds the lock).
+        # The rule checked when the job was made, again now that it writes (the job holds the lock).
+        await asyncio.to_thread(_in_thread(lambda: services.check_download_target(
+            job.target_prefix, repo_id=job.repo_id, replace=job.replace, store=store)))
         upload = loop.run_in_executor(None, _in_thread(lambda: services.write_model(
-            job.target_prefix, dest, store=store, progress=on_upload, cancel=cancel, replace=True,
+            job.target_prefix, dest, store=store, progress=on_upload, cancel=cancel, replace=job.replace,
             source={"repo_id": job.repo_id, "revision": job.revision or "main"}, source_repo=job.repo_id,
             source_revision=job.revision or "main")))
         last = -1
@@ -214,7 +221,7 @@ async def run_download_job(job_id: int, *, node_name: str, store: ModelStore | N
         job = await _finish(job.pk, status=DownloadStatus.FAILED, error=message)
     finally:
         await asyncio.to_thread(shutil.rmtree, dest, True)
-        await asyncio.to_thread(shutil.rmtree, dest.parent / f"{dest.name}-hfhome", True)
+        await asyncio.to_thread(shutil.rmtree, hf_home, True)
     await publish_job(job)
     return job
 

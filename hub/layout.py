@@ -51,16 +51,47 @@ def is_model_file(rel: str) -> bool:
     return name not in (MANIFEST_NAME, CACHE_MANIFEST_NAME) and not name.endswith(TEMP_SUFFIXES)
 
 
-def model_files(root: Path) -> Iterator[tuple[str, Path]]:
+class FolderTooLarge(ValueError):
+    """A folder holds more entries than a bounded walk may look at (`model_files(limit=)`)."""
+
+
+def model_files(root: Path, *, limit: int | None = None) -> Iterator[tuple[str, Path]]:
     """(relative path, path) of every model file under a local folder, sorted, nothing opened or
-    stat'ed. Symlinked folders are not walked; skipped folders are not entered."""
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in SKIPPED_DIRS)
-        for name in sorted(filenames):
-            path = Path(dirpath) / name
+    stat'ed. Symlinked folders are not walked; skipped folders are not entered. With `limit`, the
+    walk looks at no more than that many entries (files and folders, skipped ones included) and
+    raises FolderTooLarge past it, however large one folder is (a web request never walks `/usr`)."""
+    root = Path(root)
+    seen = 0
+
+    def walk(folder: Path) -> Iterator[tuple[str, Path]]:
+        nonlocal seen
+        files: list[str] = []
+        dirs: list[str] = []
+        try:
+            with os.scandir(folder) as entries:
+                for entry in entries:
+                    seen += 1
+                    if limit is not None and seen > limit:
+                        raise FolderTooLarge(f"{root} holds more than {limit} files and folders")
+                    try:
+                        is_dir = entry.is_dir()
+                    except OSError:
+                        is_dir = False
+                    if not is_dir:
+                        files.append(entry.name)
+                    elif not entry.is_symlink() and entry.name not in SKIPPED_DIRS:
+                        dirs.append(entry.name)
+        except (FileNotFoundError, NotADirectoryError, PermissionError):
+            return  # as os.walk: a folder that cannot be listed is skipped
+        for name in sorted(files):
+            path = folder / name
             rel = path.relative_to(root).as_posix()
             if is_model_file(rel):
                 yield rel, path
+        for name in sorted(dirs):
+            yield from walk(folder / name)
+
+    yield from walk(root)
 
 
 # ---------------------------------------------------------------- GGUF
@@ -223,7 +254,7 @@ def layout_problem(fmt: str, rels: list[str], *, is_dir: bool, name: str) -> str
 
 
 __all__ = [
-    "CACHE_MANIFEST_NAME", "FORMATS", "GGUF", "HF_CONFIG", "HUGGINGFACE", "MANIFEST_NAME", "SKIPPED_DIRS",
+    "CACHE_MANIFEST_NAME", "FORMATS", "FolderTooLarge", "GGUF", "HF_CONFIG", "HUGGINGFACE", "MANIFEST_NAME", "SKIPPED_DIRS",
     "TEMP_SUFFIXES", "format_of_local", "gguf_to_serve", "hf_root", "hf_root_rel", "is_hf_folder", "is_model_file",
     "layout_problem", "model_files", "model_to_serve", "pick_gguf", "shard_set", "weights_bytes", "weights_rel",
     "weights_size",

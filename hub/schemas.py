@@ -51,6 +51,7 @@ class DownloadIn(StrictBody):
     revision: str | None = Field(None, max_length=128)
     format: str = Field(..., max_length=32)
     allow_patterns: list[str] | None = None
+    replace: bool = Field(False, description="replace a complete model downloaded from this repo (else 409 model_exists)")
 
 
 class DownloadJobOut(Schema):
@@ -66,6 +67,7 @@ class DownloadJobOut(Schema):
     allow_patterns: list[str]
     files: list[dict]
     node: str
+    replace: bool
     created_at: datetime
     finished_at: datetime | None
 

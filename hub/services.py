@@ -5,8 +5,11 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shutil
+import signal
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -16,7 +19,16 @@ from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from hub.layout import layout_problem
+from hub.layout import (
+    GGUF,
+    HF_CONFIG,
+    HUGGINGFACE,
+    FolderTooLarge,
+    is_gguf,
+    layout_problem,
+    pick_gguf,
+    weights_size,
+)
 from hub.models import (
     DOWNLOAD_ACTIVE,
     UPLOAD_ACTIVE,
@@ -28,7 +40,14 @@ from hub.models import (
     UploadStatus,
 )
 from hub.node_cache import evict_everywhere
-from hub.paths import FORMAT_ROOTS, InvalidPrefix, name_from_repo_id, prefix_for, validate_prefix
+from hub.paths import (
+    FORMAT_ROOTS,
+    InvalidPrefix,
+    name_from_repo_id,
+    prefix_for,
+    validate_prefix,
+    validate_relative_path,
+)
 from hub.store import (
     LocalFile,
     ModelExists,
@@ -39,6 +58,7 @@ from hub.store import (
     UploadCancelled,
     get_store,
     local_files,
+    open_local,
 )
 
 log = logging.getLogger("xgen.hub")
@@ -257,58 +277,162 @@ def check_path_text(local_path: str) -> Path:
     return path
 
 
-def check_import_path(local_path: str, *, limit_to_import_dirs: bool = True) -> ImportSource:
-    """Decide whether a local file or folder may be uploaded into the store; HubInputError if not.
+def _check_file_name(local_path: str, rel: str) -> None:
+    """A file's path inside the source becomes a store key: the store's rules for a relative path
+    (no backslash, control character, `..` or absolute part) and valid UTF-8, the error naming it."""
+    try:
+        rel.encode("utf-8")
+    except UnicodeEncodeError:
+        raise HubInputError(f"{local_path} holds {rel!r}, whose name is not valid UTF-8: rename it; "
+                            "nothing was copied.") from None
+    try:
+        validate_relative_path(rel, what="file name")
+    except InvalidPrefix as exc:
+        raise HubInputError(f"{local_path} holds {rel!r}: {exc} Rename it; nothing was copied.") from None
 
-    The one check every upload goes through (the API, the Upload page, `manage.py hub_upload`), run
-    before anything is opened or written. On the resolved path (symlinks followed) of the path named
-    and of every file a folder holds:
-    - it must lie under one of settings.IMPORT_DIRS (XGEN_IMPORT_DIRS; none set: local uploads are
-      off). `limit_to_import_dirs=False` lifts this rule only, for `manage.py hub_upload`, which
-      runs as the host's admin;
+
+def check_import_path(local_path: str, *, limit_to_import_dirs: bool = True, action: str = "upload",
+                      max_entries: int | None = None) -> ImportSource:
+    """Decide whether a local file or folder may be uploaded into the store (or loaded, `action`
+    "load"); HubInputError if not.
+
+    The one check every upload and every load from a local path goes through (the API, the Upload
+    and Load pages, `manage.py hub_upload`, the node agent before it spawns a backend), run before
+    anything is opened or written. On the resolved path (symlinks followed) of the path named and
+    of every file a folder holds:
+    - it must lie under one of settings.IMPORT_DIRS (XGEN_IMPORT_DIRS; none set: local uploads and
+      loads are off). `limit_to_import_dirs=False` lifts this rule only, for `manage.py
+      hub_upload`, which runs as the host's admin;
     - it must never lie inside the console's data, store, models or log dir, nor be its SQLite
       database, and a folder named must not hold one of those;
-    - a folder must hold only regular files: a FIFO, socket or device refuses the whole upload.
+    - a folder must hold only regular files: a FIFO, socket or device refuses the whole upload;
+    - every file's path inside the folder must make a valid store key (`_check_file_name`).
+    `max_entries` bounds the walk of a folder (a web request never walks `/usr`).
     The files returned are what the store uploads; `open_local` checks each is still the same file.
     """
     path = check_path_text(local_path)
+    done = f"nothing was {action}ed"
     import_dirs = None
     if limit_to_import_dirs:
         import_dirs = [Path(os.path.realpath(d)) for d in settings.IMPORT_DIRS]
         if not import_dirs:
-            raise HubInputError("Uploads from local paths are off on this server: set XGEN_IMPORT_DIRS to the "
-                                "folders (comma separated) that uploads may read from.")
+            raise HubInputError(f"{action.capitalize()}s from local paths are off on this server: set "
+                                f"XGEN_IMPORT_DIRS to the folders (comma separated) that {action}s may read from.")
     real = Path(os.path.realpath(path))
     via = f" (it leads to {real})" if real != path else ""
     if not _allowed(real, import_dirs):
         raise HubInputError(f"{local_path}{via} is not under XGEN_IMPORT_DIRS "
-                            f"({', '.join(str(d) for d in import_dirs)}): uploads read only from those folders.")
+                            f"({', '.join(str(d) for d in import_dirs)}): {action}s read only from those folders.")
     own = console_paths()
     what = _console_path_of(real, own)
     if what:
-        raise HubInputError(f"{local_path}{via} is inside the console's {what}, which can never be uploaded.")
+        raise HubInputError(f"{local_path}{via} is inside the console's {what}, which can never be {action}ed.")
     try:
         is_dir = real.is_dir()
         if is_dir:
             held = next((w for w, p in own if p.is_relative_to(real)), None)
             if held:
-                raise HubInputError(f"{local_path}{via} holds the console's {held}, which can never be uploaded.")
-        files = local_files(real) if is_dir else local_files(path)
+                raise HubInputError(f"{local_path}{via} holds the console's {held}, which can never be {action}ed.")
+        files = local_files(real, limit=max_entries) if is_dir else local_files(path)
         if not is_dir and not files:
             raise HubInputError(f"{local_path} does not exist on the server.")
     except NotARegularFile as exc:
-        raise HubInputError(str(exc)) from None
+        raise HubInputError(f"{exc} {done.capitalize()}.") from None
+    except FolderTooLarge:
+        raise HubInputError(f"{local_path} holds more than {max_entries} files and folders, more than a model "
+                            f"folder: name the model's own folder or its .gguf file; {done}.") from None
     except OSError as exc:
         raise HubInputError(f"{local_path} cannot be read: {exc.strerror or exc}.") from None
     for f in files:
         if not _allowed(f.real, import_dirs):
             raise HubInputError(f"{local_path} holds {f.path}, which leads to {f.real}, not under XGEN_IMPORT_DIRS: "
-                                "nothing was uploaded.")
+                                f"{done}.")
         what = _console_path_of(f.real, own)
         if what:
-            raise HubInputError(f"{local_path} holds {f.path}, which leads into the console's {what}: "
-                                "nothing was uploaded.")
+            raise HubInputError(f"{local_path} holds {f.path}, which leads into the console's {what}: {done}.")
+        if is_dir:
+            _check_file_name(local_path, f.rel)
+    if not is_dir:
+        _check_file_name(local_path, path.name)
     return ImportSource(path=path, real=real, is_dir=is_dir, files=files)
+
+
+# --------------------------------------------------------------------------- local paths a load may serve
+LOAD_SCAN_MAX_ENTRIES = 2000  # a model folder holds a few dozen files; a load never walks more than this
+GGUF_MAGIC = b"GGUF"
+MAX_SHARDS = 1000
+
+
+@dataclass(frozen=True)
+class LoadSource:
+    """A local path a load may serve, checked: what the backend opens and how big its weights are."""
+
+    path: Path  # as named
+    format: str  # gguf | huggingface
+    serve: Path  # the .gguf file or the Hugging Face folder the backend opens (symlinks resolved)
+    size_bytes: int  # the weights (hub.layout's rules)
+
+
+def _check_gguf_magic(local_path: str, f: LocalFile) -> None:
+    """Four bytes, read the way an upload reads (never a FIFO, the very file checked): a backend is
+    never handed a file that is not GGUF (it would echo its first bytes into the instance's log)."""
+    try:
+        with open_local(f) as fh:
+            head = fh.read(len(GGUF_MAGIC))
+    except NotARegularFile as exc:
+        raise HubInputError(f"{exc} Nothing was loaded.") from None
+    except OSError as exc:
+        raise HubInputError(f"{local_path} cannot be read: {exc.strerror or exc}.") from None
+    if head != GGUF_MAGIC:
+        raise HubInputError(f"{f.path} is not a GGUF model file (it does not start with 'GGUF'): nothing was loaded.")
+
+
+def _shard_files(local_path: str, f: LocalFile) -> list[LocalFile]:
+    """The sibling shards a backend opens beside the first one of a split GGUF, each checked like
+    the file named (found by name, never by listing the folder)."""
+    match = re.search(r"^(.*)-(\d+)-of-(\d+)\.gguf$", f.path.name)
+    if not match:
+        return [f]
+    total = int(match.group(3))
+    if total > MAX_SHARDS:
+        raise HubInputError(f"{local_path} says it is one of {total} shards: at most {MAX_SHARDS}.")
+    width = len(match.group(2))
+    out = [f]
+    for index in range(1, total + 1):
+        sibling = f.path.with_name(f"{match.group(1)}-{index:0{width}d}-of-{match.group(3)}.gguf")
+        if sibling != f.path and os.path.lexists(sibling):
+            out += check_import_path(str(sibling), action="load").files
+    return out
+
+
+def check_load_path(local_path: str) -> LoadSource:
+    """Decide whether a load may serve a local file or folder; HubInputError naming the reason.
+
+    The rules of uploads (`check_import_path`: under XGEN_IMPORT_DIRS, never the console's own dirs
+    or database, regular files only), with the walk of a folder bounded (LOAD_SCAN_MAX_ENTRIES):
+    the web request checks it (the Load page's verdict, the API), and the node agent checks it again
+    on its own disk right before it spawns the backend. A folder with config.json at its top is a
+    Hugging Face model; else the `.gguf` hub.layout picks among its files is served.
+    """
+    source = check_import_path(local_path, action="load", max_entries=LOAD_SCAN_MAX_ENTRIES)
+    if not source.is_dir:
+        f = source.files[0]
+        if not is_gguf(source.path.name):
+            raise HubInputError(f"{local_path} is not a .gguf file: give a .gguf file or a model folder.")
+        _check_gguf_magic(local_path, f)
+        shards = _shard_files(local_path, f)
+        # A split model: the backend finds the siblings by the first shard's name, in its folder.
+        serve = f.real if len(shards) == 1 else Path(os.path.realpath(source.path.parent)) / source.path.name
+        return LoadSource(path=source.path, format=GGUF, serve=serve, size_bytes=sum(s.size for s in shards))
+    sizes = [(f.rel, f.size) for f in source.files]
+    if any(f.rel == HF_CONFIG for f in source.files):
+        return LoadSource(path=source.path, format=HUGGINGFACE, serve=source.real,
+                          size_bytes=weights_size(sizes, HUGGINGFACE))
+    rel = pick_gguf(sizes)
+    if rel is None:
+        raise HubInputError(f"{local_path} holds neither config.json nor a .gguf file.")
+    _check_gguf_magic(local_path, next(f for f in source.files if f.rel == rel))
+    return LoadSource(path=source.path, format=GGUF, serve=source.real / rel, size_bytes=weights_size(sizes, GGUF))
 
 
 # --------------------------------------------------------------------------- writing a model
@@ -332,17 +456,15 @@ def write_model(prefix: str, local: Path, *, store: ModelStore, files: list[Loca
     """Write a local model into the store as `prefix` and index it: the one way the console writes
     a model (upload jobs, `manage.py hub_upload`, downloads). The caller holds the prefix's lock.
 
-    A complete model is overwritten only with `replace` (else ModelExists, nothing touched); its
-    index row says incomplete from before the old manifest goes until the new one is written.
-    Any failure re-indexes the prefix (`after_failed_write`), so the listing never calls a broken
-    model complete.
+    A complete model is overwritten only with `replace` (else ModelExists, nothing touched). The
+    new files are written beside it (the store's staging area) and switched in once all are there:
+    until then the old model stays listed, complete and loadable, and a cancel or a failure leaves
+    it as it was. Any failure re-indexes the prefix (`after_failed_write`), so the listing never
+    calls a broken model complete.
     """
-    existing = store.exists(prefix)
-    if existing and not replace:
+    if store.exists(prefix) and not replace:
         raise ModelExists(f"{prefix} is already a complete model in the store: upload it under another "
                           "name, or ask to replace it.")
-    if existing:
-        ModelArtifact.objects.filter(prefix=prefix).update(complete=False, indexed_at=timezone.now())
     try:
         store.upload_model(prefix, local, files=files, source=source, progress=progress, cancel=cancel,
                            replace=replace)
@@ -388,6 +510,22 @@ def upload_local_model(
     return write_model(prefix, source.real if source.is_dir else source.path, store=store or get_store(),
                        files=source.files, source={"local_path": str(source.path)}, progress=progress,
                        cancel=cancel, replace=replace)
+
+
+def busy_prefixes() -> set[str]:
+    """Model prefixes a live writer holds the lock of now (an upload, a download, the CLI, a delete)."""
+    return {prefix for prefix, holder in PrefixLock.objects.values_list("prefix", "holder") if _holder_alive(holder)}
+
+
+def sweep_store(*, store: ModelStore | None = None) -> list[str]:
+    """Remove what writes that died left in the store (a `kill -9` mid-upload: staging areas,
+    `*.xgen-part` files, incomplete multipart uploads), sparing every model a writer holds now.
+    The agent runs it at start, after ending the jobs its last run left."""
+    removed = (store or get_store()).sweep(busy=busy_prefixes)
+    if removed:
+        log.warning("removed %d leftover(s) of interrupted writes from the store: %s", len(removed),
+                    ", ".join(removed[:5]) + (" ..." if len(removed) > 5 else ""))
+    return removed
 
 
 def delete_model(*, prefix: str, store: ModelStore | None = None) -> int:
@@ -487,6 +625,7 @@ def execute_upload(job_id: int, *, store: ModelStore | None = None,
     if job.status != UploadStatus.UPLOADING:
         return job
     store = store or get_store()
+    kept = f" ({job.target_prefix}, which it was to replace, is unchanged)" if job.replace else ""
     try:
         artifact = upload_local_model(local_path=job.local_path, format=job.format,
                                       name=job.target_prefix.split("/", 1)[1], store=store, progress=progress,
@@ -494,9 +633,10 @@ def execute_upload(job_id: int, *, store: ModelStore | None = None,
     except UploadCancelled:
         if UploadJob.objects.filter(pk=job_id, cancel_requested=True).exists():
             return finish_upload(job_id, status=UploadStatus.CANCELLED,
-                                 error="Cancelled by a user; nothing of it is listed as complete.")
+                                 error=f"Cancelled by a user; nothing of it is listed as complete{kept}.")
         return finish_upload(job_id, status=UploadStatus.FAILED,
-                             error="The node agent stopped during this upload; nothing of it is listed as complete.")
+                             error=f"The node agent stopped during this upload; nothing of it is listed as "
+                                   f"complete{kept}.")
     except (HubInputError, InvalidPrefix, ModelExists, NotARegularFile) as exc:  # the source's fault, or refused
         return finish_upload(job_id, status=UploadStatus.FAILED, error=str(exc))
     except StoreError as exc:
@@ -558,16 +698,41 @@ def validate_download(*, repo_id: str, revision: str | None, format: str,
     return repo_id, revision, format, patterns
 
 
+class NameCollision(ModelExists):
+    """A download whose model name (made from its repo id) is held by a model of another origin
+    (an upload, or another repo id that makes the same name: `own/rep` and `own_rep`)."""
+
+
+def check_download_target(target: str, *, repo_id: str, replace: bool, store: ModelStore) -> None:
+    """The rule of uploads for a download's target: ModelExists (409 `model_exists`) for a complete
+    model unless `replace`; and a download replaces only a model downloaded from the same repo id
+    (NameCollision, 409 `name_collision`): names made from repo ids are not one-to-one."""
+    manifest = store.read_manifest(target)
+    if manifest is None:
+        return
+    origin = str((manifest.source or {}).get("repo_id") or "")
+    if origin != repo_id:
+        what = f"a download of {origin}" if origin else "an upload"
+        raise NameCollision(f"{target} is already a complete model in the store, from {what}; {repo_id} would "
+                            f"take the same name: delete {target} first to download {repo_id} into it.")
+    if not replace:
+        raise ModelExists(f"{target} is already a complete model in the store (downloaded from {repo_id}): "
+                          "download it with replace: true to replace it.")
+
+
 def create_download_job(*, repo_id: str, revision: str | None = None, format: str,
-                        allow_patterns: list[str] | None = None, user=None) -> DownloadJob:
+                        allow_patterns: list[str] | None = None, replace: bool = False, user=None,
+                        store: ModelStore | None = None) -> DownloadJob:
     """Queue a Hugging Face download; a hub agent worker claims it. The job holds its target's
-    write lock until it ends (PrefixBusy while another upload or download writes that model)."""
+    write lock until it ends (PrefixBusy while another upload or download writes that model).
+    ModelExists / NameCollision (409) as `check_download_target` says; StoreError (502)."""
     repo_id, revision, format, patterns = validate_download(repo_id=repo_id, revision=revision, format=format,
                                                            allow_patterns=allow_patterns)
     target = prefix_for(format, name_from_repo_id(repo_id))
+    check_download_target(target, repo_id=repo_id, replace=replace, store=store or get_store())
     with transaction.atomic():
         job = DownloadJob.objects.create(repo_id=repo_id, revision=revision, format=format, allow_patterns=patterns,
-                                         target_prefix=target, created_by=user)
+                                         target_prefix=target, replace=replace, created_by=user)
         lock_prefix(target, holder=download_holder(job.pk))  # PrefixBusy: another upload or download of it
     return job
 
@@ -607,20 +772,61 @@ def update_job(job_id: int, **fields) -> DownloadJob:
 def finish_job(job_id: int, *, status: str, error: str = "") -> DownloadJob:
     """Move an active job to COMPLETED, FAILED or CANCELLED (only from an active state)."""
     DownloadJob.objects.filter(pk=job_id, status__in=DOWNLOAD_ACTIVE).update(
-        status=status, error=error[:4000], finished_at=timezone.now())
+        status=status, error=error[:4000], finished_at=timezone.now(), pid=None, pgid=None)
     job = DownloadJob.objects.get(pk=job_id)
     unlock_prefix(job.target_prefix, holder=download_holder(job_id))
     return job
 
 
+def download_dirs(job_id: int) -> tuple[Path, Path]:
+    """The folders one download writes on its node: the files, and the child's HF_HOME."""
+    work = Path(settings.DATA_DIR) / "downloads"
+    return work / f"job-{job_id}", work / f"job-{job_id}-hfhome"
+
+
+def _is_download_child(pid: int, job_id: int) -> bool:
+    """Whether `pid` is (still) the download child of this job, not a process that took its pid since."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            state = fh.read().rpartition(b")")[2].split()[0]
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except (OSError, IndexError):
+        return False
+    dest = str(download_dirs(job_id)[0]).encode()
+    return state != b"Z" and b"hub.hf_download" in argv and dest in argv
+
+
+def stop_download_child(job_id: int, pgid: int | None, *, wait_s: float = 10.0) -> bool:
+    """Kill the process group of a download child left by an agent that died (SIGKILL: a download
+    cannot be resumed), and wait until it is gone; False when none of it was running."""
+    if not pgid or not _is_download_child(pgid, job_id):
+        return False
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        return False
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline and _is_download_child(pgid, job_id):
+        time.sleep(0.05)
+    return True
+
+
 def fail_orphaned_jobs(*, node_name: str) -> int:
-    """Jobs this node had claimed before it restarted can't be resumed: mark them FAILED (and free
-    their locks)."""
+    """Jobs this node had claimed before it restarted can't be resumed: their child processes are
+    stopped (they run in their own session and outlive a `kill -9` of the agent), their folders
+    removed, the jobs marked FAILED and their locks freed."""
     orphans = DownloadJob.objects.filter(node=node_name, status__in=[DownloadStatus.DOWNLOADING,
                                                                      DownloadStatus.UPLOADING])
-    held = list(orphans.values_list("pk", "target_prefix"))
-    count = orphans.update(status=DownloadStatus.FAILED, error="The node agent restarted while this download ran.",
-                           finished_at=timezone.now())
-    for job_id, prefix in held:
+    held = list(orphans.values_list("pk", "target_prefix", "pgid"))
+    for job_id, _prefix, pgid in held:
+        stopped = stop_download_child(job_id, pgid)
+        for folder in download_dirs(job_id):
+            shutil.rmtree(folder, ignore_errors=True)
+        if stopped:
+            log.warning("download %s: stopped its child process (group %s), left by the last agent", job_id, pgid)
+    count = orphans.update(status=DownloadStatus.FAILED, pid=None, pgid=None, finished_at=timezone.now(),
+                           error="The node agent restarted while this download ran: its download process was "
+                                 "stopped and its files removed; the model in the store is unchanged.")
+    for job_id, prefix, _pgid in held:
         unlock_prefix(prefix, holder=download_holder(job_id))
     return count

@@ -7,6 +7,8 @@ looks like a loadable model.
 """
 from __future__ import annotations
 
+import dataclasses
+import errno
 import hashlib
 import io
 import json
@@ -38,6 +40,7 @@ log = logging.getLogger("xgen.hub.store")
 
 CHUNK = 1024 * 1024
 READ_CAP = 8 * 1024 * 1024
+S3_MAX_COPY = 5 * 1024**3
 MANIFEST_VERSION = 1
 PART_SUFFIX = ".xgen-part"  # the filesystem store's file in the making (hub.layout never counts it)
 assert PART_SUFFIX in TEMP_SUFFIXES
@@ -64,6 +67,10 @@ class UploadCancelled(StoreError):
 
 class ModelExists(RuntimeError):
     """An upload would overwrite a complete model and was not asked to replace it (nothing written)."""
+
+
+class StoreFull(StoreError):
+    """Not enough free space in the store for a write (checked before and during it)."""
 
 
 class ConcurrentWrite(StoreError):
@@ -132,6 +139,20 @@ class StoredModel:
     files: list[dict] = field(default_factory=list)
 
 
+STAGING_ROOT = ".xgen-staging"  # beside gguf/ and huggingface/: never listed as a model
+
+
+def staging_prefix(prefix: str) -> str:
+    """Where one write of `prefix` puts its files until it switches: unique per write."""
+    return f"{STAGING_ROOT}/{uuid.uuid4().hex}/{validate_prefix(prefix)}"
+
+
+def _staged_prefix(key: str) -> str | None:
+    """`.xgen-staging/<token>/gguf/name/...` -> `gguf/name`."""
+    parts = key.split("/")
+    return f"{parts[2]}/{parts[3]}" if len(parts) >= 4 and parts[0] == STAGING_ROOT else None
+
+
 def model_prefix_of(key: str) -> str | None:
     """`gguf/name/sub/file` -> `gguf/name`; None for keys outside a model."""
     parts = key.split("/")
@@ -167,14 +188,14 @@ def _local_file(rel: str, path: Path) -> LocalFile:
     st = os.stat(path)  # follows a symlink
     if not stat.S_ISREG(st.st_mode):
         through = " (through a symlink)" if path.is_symlink() else ""
-        raise NotARegularFile(f"{path} is a {_file_kind(st.st_mode)}{through}, not a regular file: "
-                              "nothing was uploaded.")
+        raise NotARegularFile(f"{path} is a {_file_kind(st.st_mode)}{through}, not a regular file.")
     return LocalFile(rel=rel, path=path, real=Path(os.path.realpath(path)), size=st.st_size, dev=st.st_dev,
                      ino=st.st_ino)
 
 
-def local_files(root: Path) -> list[LocalFile]:
-    """Every model file under a local folder (or the one file named), found without opening any.
+def local_files(root: Path, *, limit: int | None = None) -> list[LocalFile]:
+    """Every model file under a local folder (or the one file named), found without opening any;
+    `limit` bounds the walk (hub.layout.FolderTooLarge past it).
 
     Symlinked files are followed (`real` says where to); symlinked folders are not walked. A FIFO,
     socket or device anywhere raises NotARegularFile before anything is read or written (a FIFO
@@ -188,7 +209,7 @@ def local_files(root: Path) -> list[LocalFile]:
         except FileNotFoundError:
             return []
     out: list[LocalFile] = []
-    for rel, path in model_files(root):  # which files are the model: hub.layout
+    for rel, path in model_files(root, limit=limit):  # which files are the model: hub.layout
         try:
             out.append(_local_file(rel, path))
         except FileNotFoundError:  # a dangling symlink, or gone since the listing
@@ -359,7 +380,8 @@ class ModelStore(ABC):
         if not replace and self.exists(prefix):
             raise ModelExists(f"{prefix} is already a complete model in the store; replace it explicitly "
                               "or upload under another name.")
-        total = sum(f.size for f in files)
+        total = sum(f.size for f in files)  # apparent sizes: a sparse file is written out in full
+        self.check_room(prefix, total)
         done = 0
         lock = threading.Lock()
 
@@ -370,25 +392,79 @@ class ModelStore(ABC):
                 if progress:
                     progress(done, total)
 
-        self.delete_keys([f"{prefix}/{MANIFEST_NAME}"])
-        entries: list[ManifestFile] = []
-        for f in files:
-            obj, sha = self.put_file(f"{prefix}/{f.rel}", f, progress=on_bytes, cancel=cancel)
-            entries.append(ManifestFile(path=f.rel, size=obj.size, etag=obj.etag, sha256=sha))
-        listed = {o.key: o for o in self.list_files(prefix)}
-        changed = [e.path for e in entries if not _is_what_was_written(listed.get(f"{prefix}/{e.path}"), e)]
-        if changed:
-            raise ConcurrentWrite(f"{prefix} was changed by another writer while this upload ran "
-                                  f"({', '.join(changed[:3])}{' ...' if len(changed) > 3 else ''} gone or replaced): "
-                                  "its manifest was not written; upload it again.")
-        keep = {f"{prefix}/{e.path}" for e in entries}
-        stale = [key for key in listed if key not in keep]
+        staging = staging_prefix(prefix)
+        try:
+            entries: list[ManifestFile] = []
+            for f in files:
+                self.check_room(prefix, total - done)  # another writer may have taken the space meanwhile
+                obj, sha = self.put_file(f"{staging}/{f.rel}", f, progress=on_bytes, cancel=cancel)
+                entries.append(ManifestFile(path=f.rel, size=obj.size, etag=obj.etag, sha256=sha))
+            listed = {o.key: o for o in self.iter_objects(staging + "/")}
+            changed = [e.path for e in entries if not _is_what_was_written(listed.get(f"{staging}/{e.path}"), e)]
+            if changed:
+                raise ConcurrentWrite(f"{prefix} was changed by another writer while this upload ran "
+                                      f"({', '.join(changed[:3])}{' ...' if len(changed) > 3 else ''} gone or "
+                                      "replaced): its manifest was not written; upload it again.")
+            if not replace and self.exists(prefix):
+                raise ConcurrentWrite(f"{prefix} was completed by another writer while this upload ran: "
+                                      "its manifest was not written; upload it again, or replace it.")
+            manifest = Manifest(prefix=prefix, format=prefix.split("/", 1)[0], files=entries,
+                                created_at=timezone.now().isoformat(), source=source or {})
+            return self.switch_to_staged(staging, manifest)
+        finally:
+            try:
+                self.drop_staging(staging)
+            except Exception as exc:  # never hides the write's own outcome; the next sweep removes it
+                log.warning("could not remove the staging area %s: %s", staging, exc)
+
+    # ---- writing beside the model, then switching (issue 34 #10)
+    def check_room(self, prefix: str, need: int) -> None:
+        """Refuse (StoreFull) a write of `need` more bytes that cannot fit; a store that cannot
+        tell (S3) lets the write go on and answers its own error."""
+        return None
+
+    def switch_to_staged(self, staging: str, manifest: Manifest) -> Manifest:
+        """Make the files written under `staging` the model `manifest.prefix`, manifest last; until
+        this runs the model as it was (complete or not) is untouched. S3 has no rename: each object
+        is copied in the store (no byte through the console), stale ones removed, the manifest
+        written; the old manifest goes first, so a reader sees the old model until the switch,
+        then briefly nothing loadable, then the new one."""
+        prefix = manifest.prefix
+        manifest_key = f"{prefix}/{MANIFEST_NAME}"
+        old = [o.key for o in self.iter_objects(prefix + "/")]
+        self.delete_keys([manifest_key])
+        final: list[ManifestFile] = []
+        for entry in manifest.files:
+            obj = self.copy_key(f"{staging}/{entry.path}", f"{prefix}/{entry.path}", size=entry.size)
+            final.append(dataclasses.replace(entry, etag=obj.etag))
+        keep = {f"{prefix}/{e.path}" for e in final} | {manifest_key}
+        stale = [key for key in old if key not in keep]
         if stale:
             self.delete_keys(stale)
-        manifest = Manifest(prefix=prefix, format=prefix.split("/", 1)[0], files=entries,
-                            created_at=timezone.now().isoformat(), source=source or {})
-        self.put_bytes(f"{prefix}/{MANIFEST_NAME}", manifest.to_json())
+        manifest = dataclasses.replace(manifest, files=final)
+        self.put_bytes(manifest_key, manifest.to_json())
         return manifest
+
+    def copy_key(self, src: str, dest: str, *, size: int) -> StoreObject:
+        """Copy one object to another key inside the store (stores without a rename)."""
+        raise NotImplementedError
+
+    def drop_staging(self, staging: str) -> None:
+        """Remove what a write left under its staging prefix (nothing, once switched)."""
+        keys = [o.key for o in self.iter_objects(staging + "/")]
+        if keys:
+            self.delete_keys(keys)
+
+    def sweep(self, *, busy: Callable[[], set[str]]) -> list[str]:
+        """Remove what writes that died (a `kill -9`) left behind: staging areas, partial files,
+        incomplete multipart uploads; never those of a model prefix in `busy()` (a writer holds it
+        now; asked after the listing, so a write that began meanwhile is spared). Returns what went."""
+        found = list(self.iter_objects(STAGING_ROOT + "/"))
+        held = busy()
+        removed = [obj.key for obj in found if _staged_prefix(obj.key) not in held]
+        if removed:
+            self.delete_keys(removed)
+        return removed
 
     def delete_model(self, prefix: str) -> int:
         """Delete a model (manifest first); returns how many objects were removed."""
@@ -522,6 +598,62 @@ class MinioModelStore(ModelStore):
                 response.close()
                 response.release_conn()
 
+    def copy_key(self, src: str, dest: str, *, size: int) -> StoreObject:
+        from minio.commonconfig import ComposeSource, CopySource
+
+        self._ensure_bucket()
+        try:
+            if size > S3_MAX_COPY:  # one CopyObject copies at most 5 GiB; above it, a multipart copy
+                result = self.client.compose_object(self.bucket, dest, [ComposeSource(self.bucket, src)])
+            else:
+                result = self.client.copy_object(self.bucket, dest, CopySource(self.bucket, src))
+        except Exception as exc:
+            raise self._wrap(exc, dest) from exc
+        return StoreObject(key=dest, size=size, etag=(result.etag or "").strip('"'))
+
+    def incomplete_uploads(self, prefix: str) -> list[tuple[str, str]]:
+        """(key, upload id) of the multipart uploads under `prefix` that were begun and never
+        completed or aborted (a `kill -9` mid-part): the store keeps their parts, unlisted."""
+        self._ensure_bucket()
+        found: list[tuple[str, str]] = []
+        key_marker = upload_marker = None
+        try:
+            while True:  # the SDK has no public listing of these; its own request helpers do it
+                page = self.client._list_multipart_uploads(self.bucket, prefix=prefix, key_marker=key_marker,
+                                                           upload_id_marker=upload_marker, max_uploads=1000)
+                found += [(u.object_name, u.upload_id) for u in page.uploads]
+                if not page.is_truncated or not page.next_key_marker or page.next_key_marker == key_marker:
+                    return found
+                key_marker, upload_marker = page.next_key_marker, page.next_upload_id_marker
+        except Exception as exc:
+            raise self._wrap(exc, prefix) from exc
+
+    def abort_incomplete(self, prefix: str, *, busy: Callable[[], set[str]] = set) -> list[str]:
+        """Abort the incomplete multipart uploads under `prefix` (not those of a model in `busy()`)."""
+        aborted = []
+        found = self.incomplete_uploads(prefix)
+        held = busy() if found else set()
+        for key, upload_id in found:
+            if model_prefix_of(key) in held or _staged_prefix(key) in held:
+                continue
+            try:
+                self.client._abort_multipart_upload(self.bucket, key, upload_id)
+            except Exception as exc:
+                raise self._wrap(exc, key) from exc
+            aborted.append(key)
+        return aborted
+
+    def delete_model(self, prefix: str) -> int:
+        removed = super().delete_model(prefix)
+        self.abort_incomplete(validate_prefix(prefix) + "/")
+        return removed
+
+    def sweep(self, *, busy: Callable[[], set[str]]) -> list[str]:
+        removed = super().sweep(busy=busy)
+        for root in (*FORMAT_ROOTS, STAGING_ROOT):
+            removed += [f"{key} (incomplete upload)" for key in self.abort_incomplete(root + "/", busy=busy)]
+        return removed
+
     def delete_keys(self, keys: list[str]) -> None:
         from minio.deleteobjects import DeleteObject
 
@@ -594,6 +726,9 @@ class FilesystemModelStore(ModelStore):
             os.replace(tmp, dest)
         except OSError as exc:
             tmp.unlink(missing_ok=True)
+            if exc.errno == errno.ENOSPC:
+                raise StoreFull(f"the store's disk ({self.root}) filled up while writing {key}; the model in "
+                                "the store is unchanged") from exc
             raise StoreError(f"store {self.describe()} failed on {key}: {exc}") from exc
         except BaseException:
             tmp.unlink(missing_ok=True)
@@ -643,6 +778,65 @@ class FilesystemModelStore(ModelStore):
     def remove_tree(self, prefix: str) -> None:
         """Remove a model folder outright (used after delete_model to drop leftovers)."""
         shutil.rmtree(self._path(validate_prefix(prefix)), ignore_errors=True)
+
+    def delete_model(self, prefix: str) -> int:
+        """As every store, then the folder itself: partial files of a write that died go too."""
+        removed = super().delete_model(prefix)
+        self.remove_tree(prefix)
+        return removed
+
+    def check_room(self, prefix: str, need: int) -> None:
+        free = _free_bytes(self.root)
+        if need > free:
+            raise StoreFull(f"not enough free space in the store for {prefix}: {need / 2**20:.1f} MiB to write "
+                            f"(the files' apparent size), {free / 2**20:.1f} MiB free in {self.root}; the model "
+                            "in the store is unchanged")
+
+    def switch_to_staged(self, staging: str, manifest: Manifest) -> Manifest:
+        """Two renames on one disk: the old folder out of the way, the new one in; then the old removed."""
+        self.put_bytes(f"{staging}/{MANIFEST_NAME}", manifest.to_json())
+        new, dest = self._path(staging), self._path(manifest.prefix)
+        old = new.parent.parent.parent / f"{new.parent.parent.name}.old"  # .xgen-staging/<token>.old
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.rename(dest, old)
+        except FileNotFoundError:
+            old = None
+        os.rename(new, dest)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        return manifest
+
+    def drop_staging(self, staging: str) -> None:
+        shutil.rmtree(self._path(staging).parent.parent, ignore_errors=True)  # .xgen-staging/<token>
+
+    def sweep(self, *, busy: Callable[[], set[str]]) -> list[str]:
+        removed = []
+        staging_root = self.root / STAGING_ROOT
+        tokens = sorted(staging_root.iterdir()) if staging_root.is_dir() else []
+        parts = [Path(d) / name for fmt in FORMAT_ROOTS if (self.root / fmt).is_dir()
+                 for d, _dirs, names in os.walk(self.root / fmt) for name in names if name.endswith(PART_SUFFIX)]
+        busy = busy()
+        if tokens:
+            for token in tokens:
+                held = {f"{fmt.name}/{name.name}" for fmt in token.iterdir() if fmt.is_dir()
+                        for name in fmt.iterdir()} if token.is_dir() and not token.is_symlink() else set()
+                if held & busy:
+                    continue
+                removed.append(token.relative_to(self.root).as_posix())
+                shutil.rmtree(token, ignore_errors=True) if token.is_dir() else token.unlink(missing_ok=True)
+        for path in parts:  # a write of the filesystem store before staging, or one that died mid-file
+            key = path.relative_to(self.root).as_posix()
+            if model_prefix_of(key) not in busy:
+                path.unlink(missing_ok=True)
+                removed.append(key)
+        return removed
+
+
+def _free_bytes(path: Path) -> int:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
 
 
 def get_store() -> ModelStore:

@@ -148,7 +148,7 @@ def upload_cancel(request: HttpRequest, pk: int) -> HttpResponse:
 @require_http_methods(["GET", "POST"])
 def downloads_page(request: HttpRequest) -> HttpResponse:
     """Start Hugging Face downloads (operators) and watch every job live."""
-    form = {"repo_id": "", "revision": "", "format": "huggingface", "allow_patterns": ""}
+    form: dict = {"repo_id": "", "revision": "", "format": "huggingface", "allow_patterns": ""}
     status = 200
     if request.method == "POST":
         if not request.user.has_role(Role.OPERATOR):
@@ -156,20 +156,27 @@ def downloads_page(request: HttpRequest) -> HttpResponse:
             status = 403
         else:
             form = {k: request.POST.get(k, "").strip() for k in form}
+            form["replace"] = request.POST.get("replace") in ("1", "on", "true")
             patterns = [p.strip() for p in form["allow_patterns"].replace("\n", ",").split(",") if p.strip()]
             try:
                 job = services.create_download_job(repo_id=form["repo_id"], revision=form["revision"] or None,
-                                                   format=form["format"], allow_patterns=patterns, user=request.user)
+                                                   format=form["format"], allow_patterns=patterns,
+                                                   replace=form["replace"], user=request.user)
             except (InvalidPrefix, services.HubInputError) as exc:
                 record_audit(action="download", target=form["repo_id"], request=request, outcome="refused",
                              detail={"reason": str(exc)})
                 messages.error(request, str(exc))
                 status = 400
-            except services.PrefixBusy as exc:
+            except (ModelExists, services.PrefixBusy) as exc:
                 record_audit(action="download", target=form["repo_id"], request=request, outcome="refused",
                              detail={"reason": str(exc)})
                 messages.error(request, str(exc))
                 status = 409
+            except StoreError as exc:
+                record_audit(action="download", target=form["repo_id"], request=request, outcome="failed",
+                             detail={"reason": str(exc)})
+                messages.error(request, f"The model store failed: {exc}")
+                status = 502
             else:
                 record_audit(action="download", target=job.repo_id, request=request,
                              detail={"job": job.pk, "revision": job.revision, "format": job.format})

@@ -24,6 +24,7 @@ from django.conf import settings
 from hardware.models import GpuDevice, Node
 from hub import layout
 from hub.models import ModelArtifact
+from hub.services import HubInputError, LoadSource, check_load_path
 from serving.adapters import InvalidExtraArgs, LaunchSpec, get_adapter
 from serving.models import InstanceType, ModelInstance
 from serving.placement import (
@@ -103,23 +104,9 @@ def resolve_source(model_path: str, *, on_this_node: bool) -> ModelSource:
         parts = PurePosixPath(raw).parts
         if ".." in parts:
             raise LoadRefused(400, f"model_path {raw[:200]!r} contains '..'; give the real absolute path")
-        path = Path(raw)
         if on_this_node:
-            if not path.exists():
-                raise LoadRefused(400, f"no file or directory at {raw[:200]} on this node")
-            # What a folder holds and which file of it is served: hub.layout's rules, the same the
-            # store and the node cache use.
-            if path.is_file():
-                if not layout.is_gguf(path.name):
-                    raise LoadRefused(400, f"{raw[:200]} is not a .gguf file (give a .gguf file or a model directory)")
-                return ModelSource(raw, "path", "gguf", path, None, layout.weights_bytes(path, layout.GGUF))
-            if layout.is_hf_folder(path):
-                return ModelSource(raw, "path", "huggingface", path, None,
-                                   layout.weights_bytes(path, layout.HUGGINGFACE))
-            found = layout.gguf_to_serve(path)
-            if found:
-                return ModelSource(raw, "path", "gguf", found, None, layout.weights_bytes(found, layout.GGUF))
-            raise LoadRefused(400, f"{raw[:200]} has neither config.json nor a .gguf file")
+            local = check_load_path_or_refuse(raw)
+            return ModelSource(raw, "path", local.format, local.serve, None, local.size_bytes)
         fmt = "gguf" if layout.is_gguf(raw) else "huggingface"
         return ModelSource(raw, "path", fmt, None, None, 0)
     if raw.startswith("~") or "\\" in raw:
@@ -134,6 +121,16 @@ def resolve_source(model_path: str, *, on_this_node: bool) -> ModelSource:
     if manifest is None:
         raise LoadRefused(400, f"no model {prefix!r} in the store (see /api/storage/models)", code="model_not_found")
     return ModelSource(prefix, "prefix", prefix.split("/", 1)[0], None, None, manifest.size_bytes)
+
+
+def check_load_path_or_refuse(raw: str) -> LoadSource:
+    """A local path a load may serve (hub.services.check_load_path: the rules of uploads, under
+    XGEN_IMPORT_DIRS, a bounded walk); 400 `invalid_path` naming the reason. The web request and
+    the node agent, before it spawns, both run it."""
+    try:
+        return check_load_path(raw)
+    except HubInputError as exc:
+        raise LoadRefused(400, str(exc), code="invalid_path") from None
 
 
 def _store_manifest(prefix: str):

@@ -30,7 +30,6 @@ from django.conf import settings
 from django.utils import timezone
 
 from hardware.process_memory import gpu_leaks, gpu_memory_by_pid, group_pids, measure_group
-from hub import layout
 from hub.cache import resolve_model_path, sync_to_cache
 from live.db import db_async
 from serving import events
@@ -60,6 +59,7 @@ from serving.placement import PlacementError, bind_host, pick_port
 from serving.planning import (
     LaunchPlan,
     LoadRefused,
+    check_load_path_or_refuse,
     fallback_plan,
     plan_for_instance,
     record_measurement,
@@ -406,13 +406,11 @@ class Supervisor(AgentWorker):
     async def _resolve_model(self, run: BackendRun, plan: LaunchPlan) -> Path:
         """The local file or directory to serve: a store prefix is synced into the node cache first
         (a copy that stops when the run does, leaving no *.part behind)."""
-        if plan.model_path.startswith("/"):
-            path = Path(plan.model_path)
-            if path.is_dir() and not layout.is_hf_folder(path):
-                path = layout.gguf_to_serve(path) or path
-            if not path.exists():
-                raise LoadFailed(f"no file or directory at {plan.model_path} on node {self.agent.name}")
-            return path
+        if plan.model_path.startswith("/"):  # checked again here, on this disk, right before the spawn
+            try:
+                return (await asyncio.to_thread(check_load_path_or_refuse, plan.model_path)).serve
+            except LoadRefused as exc:
+                raise LoadFailed(f"{exc.message} (checked on node {self.agent.name})") from None
         await db_mark(run.instance_id, ModelInstance.mark_caching, 0.0)
         loop = asyncio.get_running_loop()
         last = {"at": 0.0}

@@ -138,3 +138,53 @@ def test_a_pending_job_is_cancelled_at_once(db):
     job = services.create_download_job(repo_id="acme/x", format="gguf")
     assert services.request_cancel(job=job).status == "CANCELLED"
     assert services.claim_next_job(node_name="a") is None
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_kill_9_mid_download_leaves_a_child_the_restarted_agent_stops(hub_dirs, settings):
+    """Issue 34 #12: the download child runs in its own session, so it outlives a `kill -9` of the
+    agent; its pid/pgid are on the job, and the agent's start stops it and removes its folders."""
+    import signal
+    import subprocess
+    import time
+
+    from django.db import connection
+
+    from tests.conftest import REPO
+    from tests.procs import PYTHON
+
+    settings.DATA_DIR = hub_dirs
+    slow = FakeHub({"acme/slow": {"config.json": b"{}", "big.bin": os.urandom(3_000_000)}},
+                   delay_per_chunk=0.05, chunk=32 * 1024).start()
+    job = _new_job(repo_id="acme/slow")
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "xgenconsole.settings", "XGEN_DATA_DIR": str(hub_dirs),
+           "DATABASE_URL": f"sqlite:///{connection.settings_dict['NAME']}", "HF_ENDPOINT": slow.url}
+    agent = subprocess.Popen([PYTHON, "-m", "tests.hub.download_child", str(job.pk), str(hub_dirs / "store")],
+                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            job.refresh_from_db()
+            if job.pgid and job.bytes_done > 0:
+                break
+            assert agent.poll() is None, agent.stdout.read().decode()
+            time.sleep(0.1)
+        assert job.pgid and 0 < job.bytes_done < job.bytes_total, (job.pgid, job.bytes_done)
+        os.kill(agent.pid, signal.SIGKILL)  # the console dies mid-download
+        agent.wait(10)
+        dest, hf_home = services.download_dirs(job.pk)
+        assert services._is_download_child(job.pgid, job.pk)  # the child lives on, orphaned
+        assert dest.is_dir()
+        assert services.fail_orphaned_jobs(node_name="n1") == 1  # what the restarted agent does first
+        assert not services._is_download_child(job.pgid, job.pk)
+        assert not dest.exists() and not hf_home.exists()
+        job.refresh_from_db()
+        assert job.status == "FAILED" and "its download process was stopped" in job.error
+        assert job.pid is None and job.pgid is None
+        assert services.lock_prefix(job.target_prefix, holder="cli:x:1") is None  # the lock was freed
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait(10)
+        agent.stdout.close()
+        slow.stop()

@@ -62,11 +62,16 @@ def test_an_interrupted_upload_never_looks_like_a_model(store, tmp_path):
         if done > 100_000:
             raise RuntimeError("disk unplugged")
 
+    before = store.read_manifest("huggingface/m2")
     with pytest.raises(RuntimeError, match="disk unplugged"):
         store.upload_model("huggingface/m2", src, progress=boom, replace=True)
-    # The previous complete version was withdrawn first: nothing loadable remains.
-    assert store.read_manifest("huggingface/m2") is None
-    assert not store.scan_models()[0].complete
+    # The new version was written beside the old one (issue 34 #10): the old one is untouched.
+    assert store.read_manifest("huggingface/m2") == before
+    assert store.scan_models()[0].complete
+    assert list(store.iter_objects(".xgen-staging/")) == []
+    with pytest.raises(RuntimeError, match="disk unplugged"):  # a first upload that fails leaves nothing
+        store.upload_model("huggingface/m9", src, progress=boom)
+    assert [m.prefix for m in store.scan_models()] == ["huggingface/m2"]
 
 
 def _in_thread(fn, timeout: float = 10.0):

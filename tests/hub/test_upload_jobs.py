@@ -198,8 +198,8 @@ def test_a_complete_model_is_not_overwritten_unless_asked(hub_dirs, operator, tm
     assert ModelArtifact.objects.get(prefix="gguf/victim").size_bytes == 100_000
 
 
-def test_a_replace_whose_file_vanishes_mid_copy_is_never_listed_complete(hub_dirs, operator, tmp_path):
-    _victim(tmp_path, operator)
+def test_a_replace_whose_file_vanishes_mid_copy_leaves_the_old_model(hub_dirs, operator, tmp_path):
+    before, _ = _victim(tmp_path, operator)
     v2 = make_model_dir(tmp_path / "v2", {"a.gguf": b"a" * 2 * 2**20, "b.gguf": b"b" * 1000})
     assert _upload(operator.key, v2, name="victim", replace=True).status_code == 202
     listed_during: list[bool] = []
@@ -211,11 +211,13 @@ def test_a_replace_whose_file_vanishes_mid_copy_is_never_listed_complete(hub_dir
     job = services.claim_next_upload(node_name=UploadJob.objects.first().node)
     failed = services.execute_upload(job.pk, progress=progress)
     assert failed.status == "FAILED" and "b.gguf went away after it was checked" in failed.error
-    assert listed_during and not any(listed_during)  # not complete while the old manifest was gone
+    assert listed_during and all(listed_during)  # the old model stayed listed complete (issue 34 #10)
     store = get_store()
-    assert store.read_manifest("gguf/victim") is None
-    assert not ModelArtifact.objects.filter(prefix="gguf/victim", complete=True).exists()
-    assert store.list_files("gguf/victim") == []  # what the failed replace left was removed
+    assert store.read_manifest("gguf/victim") == before  # and loadable, as it was
+    assert ModelArtifact.objects.filter(prefix="gguf/victim", complete=True).exists()
+    assert [o.key for o in store.list_files("gguf/victim")] == ["gguf/victim/model.gguf"]
+    assert store.get_bytes("gguf/victim/model.gguf") == b"1" * 300_000
+    assert list(store.iter_objects(".xgen-staging/")) == []  # what the failed replace wrote was removed
     assert not PrefixLock.objects.exists()
 
 

@@ -62,8 +62,9 @@ def test_default_name_and_unload_by_name(client, node, operator, tiny_gguf):
 @pytest.mark.parametrize("body,status,needle", [
     ({"model_path": "gguf/../../etc"}, 400, ".."),
     ({"model_path": "/models/../etc/passwd"}, 400, ".."),
-    ({"model_path": "/nonexistent/model.gguf"}, 400, "no file or directory"),
-    ({"model_path": "/etc/hostname"}, 400, "not a .gguf"),
+    ({"model_path": "/nonexistent/model.gguf"}, 400, "not under XGEN_IMPORT_DIRS"),
+    ({"model_path": "/etc/hostname"}, 400, "not under XGEN_IMPORT_DIRS"),
+    ({"model_path": "/tmp/xgen-no-such-dir/model.gguf"}, 400, "does not exist on the server"),
     ({"model_path": "gguf/not-in-store"}, 400, "no model 'gguf/not-in-store' in the store"),
     ({"model_path": "relative/path"}, 400, "gguf/ or huggingface/"),
     ({"model_path": ""}, 400, "empty"),
