@@ -6,9 +6,10 @@ class AccountsConfig(AppConfig):
     verbose_name = "Accounts"
 
     def ready(self) -> None:
-        from accounts import signals
+        from accounts import signals, signin
 
         signals.connect()
+        signin.connect()
 
         from django.contrib.auth.signals import user_logged_out
         from django.db.models.signals import post_save

@@ -19,7 +19,8 @@ class UserCreateForm(forms.Form):
 
     def clean_password(self) -> str:
         password = self.cleaned_data["password"]
-        validate_password(password)
+        # Unsaved: the similarity check compares the password with the name being created.
+        validate_password(password, user=User(username=self.cleaned_data.get("username", "")))
         return password
 
 
@@ -27,6 +28,16 @@ class UserEditForm(forms.Form):
     role = forms.ChoiceField(choices=Role.choices)
     is_active = forms.BooleanField(required=False, label="Active")
     new_password = forms.CharField(widget=forms.PasswordInput, required=False, min_length=8)
+
+    def __init__(self, *args, user: User | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.user = user  # whose password a reset sets (the validators compare it with their name)
+
+    def clean_new_password(self) -> str:
+        password = self.cleaned_data.get("new_password") or ""
+        if password:
+            validate_password(password, user=self.user)
+        return password
 
 
 class ApiKeyLimitsForm(forms.Form):

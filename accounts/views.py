@@ -11,6 +11,7 @@ from accounts.audit import ACTIONS, record_audit
 from accounts.auth import role_required
 from accounts.forms import ApiKeyCreateForm, ApiKeyEditForm, UserCreateForm, UserEditForm
 from accounts.models import ApiKey, AuditEvent, AuditOutcome, Role, User
+from accounts.query import query_int
 from accounts.services import (
     create_api_key,
     create_user,
@@ -48,7 +49,7 @@ def users_page(request: HttpRequest) -> HttpResponse:
 def user_edit(request: HttpRequest, user_id: int) -> HttpResponse:
     target = get_object_or_404(User, pk=user_id)
     shown_role = Role.ADMIN if target.is_superuser else target.role
-    form = UserEditForm(request.POST or None, initial={"role": shown_role, "is_active": target.is_active})
+    form = UserEditForm(request.POST or None, initial={"role": shown_role, "is_active": target.is_active}, user=target)
     if request.method == "POST" and form.is_valid():
         if target == request.user and (form.cleaned_data["role"] != Role.ADMIN or not form.cleaned_data["is_active"]):
             record_audit(action="user_change", target=target.username, request=request,
@@ -133,7 +134,7 @@ def audit_page(request: HttpRequest) -> HttpResponse:
     actor = request.GET.get("actor", "").strip()[:150]
     action = request.GET.get("action", "").strip()[:32]
     outcome = request.GET.get("outcome", "").strip()[:16]
-    before = request.GET.get("before", "")
+    before = query_int(request.GET, "before", minimum=1)
     rows = AuditEvent.objects.all()
     if actor:
         rows = rows.filter(actor=actor)
@@ -141,8 +142,8 @@ def audit_page(request: HttpRequest) -> HttpResponse:
         rows = rows.filter(action=action)
     if outcome:
         rows = rows.filter(outcome=outcome)
-    if before.isdigit():
-        rows = rows.filter(pk__lt=int(before))
+    if before is not None:
+        rows = rows.filter(pk__lt=before)
     page = list(rows.order_by("-pk")[: AUDIT_PAGE_SIZE + 1])
     older = page[AUDIT_PAGE_SIZE - 1].pk if len(page) > AUDIT_PAGE_SIZE else None
     ctx = {"events": page[:AUDIT_PAGE_SIZE], "older": older, "actor": actor, "action": action, "outcome": outcome,

@@ -406,7 +406,10 @@ def request_rows(*, key: str | None = None, model: str | None = None, status: in
 
     qs = RequestLog.objects.all()
     if key:
-        qs = qs.filter(key_id=int(key)) if key.isdigit() else qs.filter(key_name=key)
+        from accounts.query import ascii_int
+
+        key_id = ascii_int(key)  # not str.isdigit(): '²' passes it and int() refuses it
+        qs = qs.filter(key_id=key_id) if key_id is not None else qs.filter(key_name=key)
     if model:
         qs = qs.filter(model=model)
     if status is not None:

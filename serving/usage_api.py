@@ -1,8 +1,6 @@
 """Usage, chargeback and the request log (mounted at /api/usage and /api/requests; viewer+)."""
 from __future__ import annotations
 
-import csv
-import io
 from datetime import UTC, datetime, time, timedelta
 from typing import Literal
 
@@ -12,6 +10,7 @@ from ninja import Field, Query, Router, Schema
 
 from accounts.auth import api_auth
 from accounts.errors import ApiError
+from accounts.spreadsheet import csv_text
 from serving.chargeback import chargeback
 from serving.usage import request_rows, usage_rows
 
@@ -91,13 +90,9 @@ def usage(request: HttpRequest, query: Query[UsageQuery]):
     rows = usage_rows(start=start, end=end, group_by=query.group_by, bucket=query.bucket, key_id=query.key,
                       model=query.model)
     if query.format == "csv":
-        out = io.StringIO()
-        writer = csv.DictWriter(out, fieldnames=[f for f in CSV_FIELDS if any(f in r for r in rows)] or CSV_FIELDS,
-                                extrasaction="ignore")
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({**row, "bucket_start": row["bucket_start"].isoformat()})
-        response = HttpResponse(out.getvalue(), content_type="text/csv; charset=utf-8")
+        fields = [f for f in CSV_FIELDS if any(f in r for r in rows)] or CSV_FIELDS
+        text = csv_text(fields, ({**row, "bucket_start": row["bucket_start"].isoformat()} for row in rows))
+        response = HttpResponse(text, content_type="text/csv; charset=utf-8")
         name = f"usage-{query.group_by}-{start:%Y%m%dT%H%M}-{end:%Y%m%dT%H%M}.csv"
         response["Content-Disposition"] = f'attachment; filename="{name}"'
         return response

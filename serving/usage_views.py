@@ -12,6 +12,7 @@ from django.shortcuts import render
 from django.views.decorators.http import require_GET
 
 from accounts.errors import ApiError
+from accounts.query import query_int
 from history.charts import stacked_bars
 from serving.chargeback import chargeback
 from serving.usage import request_rows, usage_rows
@@ -141,14 +142,13 @@ def requests_page(request: HttpRequest) -> HttpResponse:
 
     key = request.GET.get("key", "").strip()[:100]
     model = request.GET.get("model", "").strip()[:255]
-    status_raw = request.GET.get("status", "").strip()
+    status = query_int(request.GET, "status", minimum=100, maximum=599)
     request_id = request.GET.get("request_id", "").strip()[:128]
-    before = request.GET.get("before", "")
-    status = int(status_raw) if status_raw.isdigit() and 100 <= int(status_raw) <= 599 else None
+    before = query_int(request.GET, "before", minimum=1)
     rows = request_rows(key=key or None, model=model or None, status=status, request_id=request_id or None,
-                        before=int(before) if before.isdigit() else None, limit=REQUESTS_PAGE + 1)
+                        before=before, limit=REQUESTS_PAGE + 1)
     older = rows[REQUESTS_PAGE - 1]["id"] if len(rows) > REQUESTS_PAGE else None
-    filters = {"key": key, "model": model, "status": status_raw if status else "", "request_id": request_id}
+    filters = {"key": key, "model": model, "status": str(status) if status else "", "request_id": request_id}
     in_flight = [(b.model_name, b.instance_id, b.node, b.in_flight) for b in routing_table.backends() if b.in_flight]
     ctx = {"rows": rows[:REQUESTS_PAGE], "older": older, "filters": filters,
            "older_url": "?" + urlencode({**{k: v for k, v in filters.items() if v}, "before": older}) if older else "",

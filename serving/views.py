@@ -13,6 +13,7 @@ from django.views.decorators.http import require_GET, require_http_methods, requ
 
 from accounts.audit import record_audit
 from accounts.auth import role_required
+from accounts.query import ascii_int
 from accounts.models import Role
 from hardware.models import GpuDevice, Node
 from hub.models import ModelArtifact
@@ -37,7 +38,7 @@ def _can_operate(request: HttpRequest) -> bool:
 @require_GET
 def instances_page(request: HttpRequest) -> HttpResponse:
     raw = request.GET.get("page", "1")
-    page = int(raw) if ASCII_INT_RE.match(raw) else 1  # past the last page: the last one
+    page = ascii_int(raw) or 1  # past the last page: the last one
     ctx = instances_context(can_operate=_can_operate(request), page=page)
     for inst in ctx["instances"]:  # this process's queue (max_concurrency); the page shows it on load
         inst.queue_depth = queue_depth(inst.model_name)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import socket
+from datetime import timedelta
 from pathlib import Path
 
 from xgenconsole.env import (
@@ -129,6 +130,7 @@ MIDDLEWARE = [
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "axes",  # failed sign-ins per user name and per client address (AXES_* below)
     "accounts.auth.LoginRequiredPagesMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
@@ -147,8 +149,22 @@ TEMPLATES = [
         "BACKEND": "django.template.backends.django.DjangoTemplates",
         "DIRS": [BASE_DIR / "templates"],
         "APP_DIRS": True,
+    "axes.middleware.AxesMiddleware",  # last, as django-axes asks: turns a lockout into its answer
         "OPTIONS": {
             "context_processors": [
+# Sign-in throttle (django-axes): after XGEN_LOGIN_FAILURE_LIMIT failed sign-ins for one user name,
+# or from one client address, every sign-in there is refused (429) for XGEN_LOGIN_COOLOFF_S seconds.
+AUTHENTICATION_BACKENDS = ["axes.backends.AxesStandaloneBackend", "django.contrib.auth.backends.ModelBackend"]
+AXES_FAILURE_LIMIT = env_int("XGEN_LOGIN_FAILURE_LIMIT", 10, minimum=1, maximum=1000)
+AXES_COOLOFF_TIME = timedelta(seconds=env_int("XGEN_LOGIN_COOLOFF_S", 900, minimum=1, maximum=7 * 86400))
+AXES_LOCKOUT_PARAMETERS = ["username", "ip_address"]  # each on its own: a name, or an address
+AXES_RESET_ON_SUCCESS = False  # accounts.signin resets the user name's count only (never the address's)
+AXES_CLIENT_IP_CALLABLE = "accounts.audit.client_address"  # the address the audit log shows
+AXES_LOCKOUT_CALLABLE = "accounts.signin.locked_out_response"
+AXES_DISABLE_ACCESS_LOG = True  # sign-ins are in the audit log already
+AXES_ENABLE_ADMIN = False
+AXES_VERBOSE = False
+
                 "django.template.context_processors.request",
                 "django.contrib.auth.context_processors.auth",
                 "django.contrib.messages.context_processors.messages",
@@ -178,7 +194,11 @@ else:
     CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
 
 AUTH_PASSWORD_VALIDATORS = [
-    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator", "OPTIONS": {"min_length": 8}},
+    {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator",
+     "OPTIONS": {"min_length": env_int("XGEN_PASSWORD_MIN_LENGTH", 8, minimum=8, maximum=128)}},
+    {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
+    {"NAME": "django.contrib.auth.password_validation.NumericPasswordValidator"},
 ]
 
 LANGUAGE_CODE = "en-us"
@@ -191,6 +211,7 @@ STATICFILES_DIRS = [BASE_DIR / "static"]
 STATIC_ROOT = Path(env_str("XGEN_STATIC_ROOT", str(DATA_DIR / "static")))
 
 SESSION_COOKIE_HTTPONLY = True
+# On every password the console sets: create (page, createuser), reset (the Users page) and change.
 SESSION_COOKIE_SAMESITE = "Lax"
 CSRF_COOKIE_SAMESITE = "Lax"
 X_FRAME_OPTIONS = "DENY"
@@ -220,3 +241,4 @@ LOGGING = {
         "httpx": {"level": "WARNING"},
     },
 }
+        "axes": {"level": "WARNING"},  # a line per sign-in otherwise; lockouts stay (and are audited)

@@ -17,3 +17,4 @@ urlpatterns = [
 
 handler404 = "xgenconsole.views.not_found"
 handler500 = "xgenconsole.views.server_error"
+handler400 = "xgenconsole.views.bad_request"

@@ -13,6 +13,7 @@ from django.shortcuts import render
 from django.views.decorators.csrf import csrf_exempt
 
 from accounts.errors import json_error
+from accounts.query import InvalidQueryParam
 from hardware.models import Node
 from live.db import run_db
 
@@ -108,6 +109,16 @@ def api_not_found(request: HttpRequest) -> JsonResponse:
 @login_not_required
 def not_found(request: HttpRequest, exception: Exception | None = None) -> HttpResponse:
     if request.path.startswith(("/api/", "/v1/")):
+@login_not_required
+def bad_request(request: HttpRequest, exception: Exception | None = None) -> HttpResponse:
+    """A 400: the message of a query parameter the console refused (its own words only, never
+    the text of another exception, such as a disallowed Host's)."""
+    message = exception.message if isinstance(exception, InvalidQueryParam) else "The request is malformed."
+    if request.path.startswith(("/api/", "/v1/")):
+        return json_error(400, message, code="invalid_request")
+    return render(request, "400.html", {"message": message}, status=400)
+
+
         return json_error(404, f"No route at {request.path}.", code="not_found")
     return render(request, "404.html", status=404)
 

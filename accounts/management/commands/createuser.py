@@ -27,7 +27,7 @@ class Command(BaseCommand):
         from django.contrib.auth.password_validation import validate_password
 
         try:
-            validate_password(password)
+            validate_password(password, user=User(username=username, email=email))
         except ValidationError as exc:
             raise CommandError("; ".join(exc.messages)) from None
         user = create_user(username=username, role=role, password=password, email=email)
