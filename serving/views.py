@@ -13,8 +13,8 @@ from django.views.decorators.http import require_GET, require_http_methods, requ
 
 from accounts.audit import record_audit
 from accounts.auth import role_required
-from accounts.query import ascii_int
 from accounts.models import Role
+from accounts.query import ascii_int
 from hardware.models import GpuDevice, Node
 from hub.models import ModelArtifact
 from serving.events import instances_context, timeline_events

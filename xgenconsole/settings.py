@@ -116,6 +116,7 @@ INSTALLED_APPS = [
     "channels",
     "django_htmx",
     "ninja",
+    "axes",  # failed sign-ins per user name and per client address (AXES_* below)
     "accounts",
     "history",
     "xgenconsole",  # no models since 0.2.0; its migrations stay (0.1.0 databases applied them)
@@ -130,28 +131,13 @@ MIDDLEWARE = [
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
-    "axes",  # failed sign-ins per user name and per client address (AXES_* below)
     "accounts.auth.LoginRequiredPagesMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "django_htmx.middleware.HtmxMiddleware",
+    "axes.middleware.AxesMiddleware",  # last, as django-axes asks: turns a lockout into its answer
 ]
 
-ROOT_URLCONF = "xgenconsole.urls"
-ASGI_APPLICATION = "xgenconsole.asgi.application"
-AUTH_USER_MODEL = "accounts.User"
-LOGIN_URL = "login"
-LOGIN_REDIRECT_URL = "home"
-LOGOUT_REDIRECT_URL = "login"
-
-TEMPLATES = [
-    {
-        "BACKEND": "django.template.backends.django.DjangoTemplates",
-        "DIRS": [BASE_DIR / "templates"],
-        "APP_DIRS": True,
-    "axes.middleware.AxesMiddleware",  # last, as django-axes asks: turns a lockout into its answer
-        "OPTIONS": {
-            "context_processors": [
 # Sign-in throttle (django-axes): after XGEN_LOGIN_FAILURE_LIMIT failed sign-ins for one user name,
 # or from one client address, every sign-in there is refused (429) for XGEN_LOGIN_COOLOFF_S seconds.
 AUTHENTICATION_BACKENDS = ["axes.backends.AxesStandaloneBackend", "django.contrib.auth.backends.ModelBackend"]
@@ -165,6 +151,20 @@ AXES_DISABLE_ACCESS_LOG = True  # sign-ins are in the audit log already
 AXES_ENABLE_ADMIN = False
 AXES_VERBOSE = False
 
+ROOT_URLCONF = "xgenconsole.urls"
+ASGI_APPLICATION = "xgenconsole.asgi.application"
+AUTH_USER_MODEL = "accounts.User"
+LOGIN_URL = "login"
+LOGIN_REDIRECT_URL = "home"
+LOGOUT_REDIRECT_URL = "login"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
                 "django.template.context_processors.request",
                 "django.contrib.auth.context_processors.auth",
                 "django.contrib.messages.context_processors.messages",
@@ -193,6 +193,7 @@ if REDIS_URL:
 else:
     CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
 
+# On every password the console sets: create (page, createuser), reset (the Users page) and change.
 AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
     {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator",
@@ -211,7 +212,6 @@ STATICFILES_DIRS = [BASE_DIR / "static"]
 STATIC_ROOT = Path(env_str("XGEN_STATIC_ROOT", str(DATA_DIR / "static")))
 
 SESSION_COOKIE_HTTPONLY = True
-# On every password the console sets: create (page, createuser), reset (the Users page) and change.
 SESSION_COOKIE_SAMESITE = "Lax"
 CSRF_COOKIE_SAMESITE = "Lax"
 X_FRAME_OPTIONS = "DENY"
@@ -237,8 +237,8 @@ LOGGING = {
         # Every refused API call would otherwise be a WARNING line.
         "django.request": {"level": "ERROR"},
         "daphne": {"level": "WARNING"},
+        "axes": {"level": "WARNING"},  # a line per sign-in otherwise; lockouts stay (and are audited)
         # One line per health poll and warm-up request otherwise.
         "httpx": {"level": "WARNING"},
     },
 }
-        "axes": {"level": "WARNING"},  # a line per sign-in otherwise; lockouts stay (and are audited)

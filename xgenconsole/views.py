@@ -107,9 +107,6 @@ def api_not_found(request: HttpRequest) -> JsonResponse:
 
 
 @login_not_required
-def not_found(request: HttpRequest, exception: Exception | None = None) -> HttpResponse:
-    if request.path.startswith(("/api/", "/v1/")):
-@login_not_required
 def bad_request(request: HttpRequest, exception: Exception | None = None) -> HttpResponse:
     """A 400: the message of a query parameter the console refused (its own words only, never
     the text of another exception, such as a disallowed Host's)."""
@@ -119,6 +116,9 @@ def bad_request(request: HttpRequest, exception: Exception | None = None) -> Htt
     return render(request, "400.html", {"message": message}, status=400)
 
 
+@login_not_required
+def not_found(request: HttpRequest, exception: Exception | None = None) -> HttpResponse:
+    if request.path.startswith(("/api/", "/v1/")):
         return json_error(404, f"No route at {request.path}.", code="not_found")
     return render(request, "404.html", status=404)
 
