@@ -251,10 +251,11 @@ def stop(proc: subprocess.Popen) -> None:
 class ConsoleProcess:
     """A real `manage.py serve` with its own data dir, a viewer key, and READY rows for the backends."""
 
-    def __init__(self, server: str, workdir: Path, backends: dict[str, int]) -> None:
+    def __init__(self, server: str, workdir: Path, backends: dict[str, int], serve_args: tuple[str, ...] = ()
+                 ) -> None:
         self.port = free_port()
         server, _, loop = server.partition(":")  # "uvicorn:uvloop", "uvicorn:asyncio"
-        data = workdir / f"console-{server}-{loop or 'default'}"
+        data = workdir / f"console-{server}-{loop or 'default'}{'-'.join(('', *serve_args)).replace('--', '')}"
         self.env = {**os.environ, "DJANGO_SETTINGS_MODULE": "xgenconsole.settings", "XGEN_DATA_DIR": str(data),
                     "XGEN_NODE_NAME": "bench-web", "XGEN_DEMO_MODEL": "false", "XGEN_ADMIN_PASSWORD": "bench-pass-123",
                     "XGEN_NODE_STALE_AFTER": "3600", "XGEN_NODE_OFFLINE_AFTER": "7200", "XGEN_LOG_LEVEL": "WARNING"}
@@ -283,7 +284,7 @@ for row in json.loads({rows!r}):
         self.log = open(data / "serve.log", "wb")  # noqa: SIM115
         self.proc = subprocess.Popen(
             [PYTHON, str(REPO / "manage.py"), "serve", "--host", "127.0.0.1", "--port", str(self.port),
-             "--server", server, "--no-agent", *(["--loop", loop] if loop else [])],
+             "--server", server, "--no-agent", *(["--loop", loop] if loop else []), *serve_args],
             env=self.env, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT,
         )
         wait_http(f"{self.url}/healthz", self.proc)
@@ -455,6 +456,43 @@ async def measure(server: str, console: ConsoleProcess, fast_port: int, llama_po
     return lines + await unpaced_streams(server, console, fast_port, minimal_port, pids, scale)
 
 
+async def head_limits(plain: ConsoleProcess, guarded: ConsoleProcess, scale: float) -> list[str]:
+    """req/s of small requests through uvicorn's own httptools protocol (today's) and through the
+    console's with the head deadline, head cap and connection cap (xgenconsole/http_edge.py), in
+    the same rounds, interleaved."""
+    import aiohttp
+
+    lines = []
+    pids = {"plain": plain.proc.pid, "guarded": guarded.proc.pid}
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        targets = {name: (f"{c.url}/v1/chat/completions",
+                          {"Authorization": f"Bearer {c.key}", "Content-Type": "application/json"})
+                   for name, c in (("plain", plain), ("guarded", guarded))}
+        for url, headers in targets.values():
+            await small_requests(session, url, headers, 200, 8)  # warm both
+        for concurrency, n in ((1, 400), (16, 2000), (64, 3000)):
+            n = max(concurrency * 4, int(n * scale)) // ROUNDS * ROUNDS
+            walls, cpus = dict.fromkeys(targets, 0.0), dict.fromkeys(targets, 0.0)
+            lats: dict[str, list[float]] = {name: [] for name in targets}
+            for i in range(ROUNDS):
+                for name in (list(targets) if i % 2 == 0 else list(targets)[::-1]):  # each goes first in turn
+                    url, headers = targets[name]
+                    cpu = cpu_seconds(pids[name])
+                    lat, wall = await small_requests(session, url, headers, n // ROUNDS, concurrency)
+                    cpus[name] += cpu_seconds(pids[name]) - cpu
+                    lats[name] += lat
+                    walls[name] += wall
+            # CPU per request (the console process's, from /proc) is what a busy shared machine disturbs least.
+            lines.append(
+                f"uvicorn  head limits c={concurrency:<3} n={n:<5} today's protocol {n / walls['plain']:6.0f} req/s "
+                f"p50 {1000 * pct(lats['plain'], .5):.2f} ms CPU {1e6 * cpus['plain'] / n:.0f} us/req | with the "
+                f"limits {n / walls['guarded']:6.0f} req/s p50 {1000 * pct(lats['guarded'], .5):.2f} ms CPU "
+                f"{1e6 * cpus['guarded'] / n:.0f} us/req | req/s ratio {walls['plain'] / walls['guarded']:.3f}x, "
+                f"CPU ratio {cpus['guarded'] / cpus['plain']:.3f}x"
+            )
+    return lines
+
+
 async def passthrough(server: str, console: ConsoleProcess, fast_port: int, minimal_port: int,
                       scale: float) -> list[str]:
     """The passthrough routes beside chat, at concurrency 1, every route and target interleaved in
@@ -603,9 +641,10 @@ def main() -> None:
     parser.add_argument("--gaps", default="0.02,1.2,35", help="idle gaps (s) for the probe; empty: skip it")
     parser.add_argument("--gap-samples", type=int, default=6,
                         help="requests per target per gap (rounded up to a multiple of the targets)")
-    parser.add_argument("--only", choices=["all", "passthrough", "streams"], default="all",
+    parser.add_argument("--only", choices=["all", "passthrough", "streams", "edge"], default="all",
                         help="passthrough: only the passthrough routes beside chat (and the idle gaps); "
-                             "streams: only 64 unpaced streams, direct / minimal proxy / console, with CPU time")
+                             "streams: only 64 unpaced streams, direct / minimal proxy / console, with CPU time; "
+                             "edge: req/s of uvicorn with and without the request-head limits, same rounds")
     parser.add_argument("--pin", action="store_true",
                         help="give the proxies (console, minimal) CPU 1 and everything else CPU 0, as on a server "
                              "where clients and backends are not on the proxy's cores")
@@ -677,6 +716,13 @@ def main() -> None:
                        "minimal": (f"http://127.0.0.1:{minimal_port}/v1/chat/completions", plain)}
             consoles = []
             try:
+                if args.only == "edge":
+                    backends = {"fast": fast_port, "fast-rr": fast_port, "tiny": llama_port}
+                    consoles += [ConsoleProcess("uvicorn", work, backends, ("--no-head-limits",)),
+                                 ConsoleProcess("uvicorn", work, backends)]
+                    for line in asyncio.run(head_limits(*consoles, args.scale)):
+                        print(line, flush=True)
+                    return
                 for server in args.servers.split(","):
                     console = ConsoleProcess(server, work, {"fast": fast_port, "fast-rr": fast_port,
                                                             "tiny": llama_port})

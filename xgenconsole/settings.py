@@ -101,6 +101,12 @@ REQUEST_LOG_DAYS = env_int("XGEN_REQUEST_LOG_DAYS", 14, minimum=1)
 MAX_REQUEST_BODY_BYTES = env_int("XGEN_MAX_REQUEST_BODY", 10 * 1024 * 1024, minimum=1024)
 ANONYMOUS_MAX_BODY_BYTES = 64 * 1024
 BODY_TIMEOUT_S = env_int("XGEN_BODY_TIMEOUT", 30, minimum=1, maximum=3600)
+# The request head, on uvicorn (xgenconsole.http_edge): complete within HEAD_TIMEOUT_S of the
+# connection opening or of its last answer, at most MAX_HEAD_BYTES (431 past it); past
+# MAX_CONNECTIONS open connections a request is answered 503.
+HEAD_TIMEOUT_S = env_int("XGEN_HEAD_TIMEOUT", 20, minimum=1, maximum=3600)
+MAX_HEAD_BYTES = env_int("XGEN_MAX_HEAD_BYTES", 64 * 1024, minimum=8 * 1024, maximum=16 * 1024 * 1024)
+MAX_CONNECTIONS = env_int("XGEN_MAX_CONNECTIONS", 1000, minimum=1)
 DATA_UPLOAD_MAX_MEMORY_SIZE = MAX_REQUEST_BODY_BYTES
 FILE_UPLOAD_MAX_MEMORY_SIZE = 2 * 1024 * 1024
 DATA_UPLOAD_MAX_NUMBER_FIELDS = 1000

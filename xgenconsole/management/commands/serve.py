@@ -1,6 +1,7 @@
 """The all-in-one process: web server and node agent in one process and one event loop."""
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import logging
@@ -24,17 +25,23 @@ class Command(BaseCommand):
         parser.add_argument("--loop", choices=["auto", "asyncio", "uvloop"], default="asyncio",
                             help="uvicorn's event loop (auto: uvloop when installed); bench/proxy_overhead.py compares them")
         parser.add_argument("--no-agent", action="store_true", help="web only (cluster mode web process)")
+        # bench/proxy_overhead.py --only edge: uvicorn's own protocol, to measure what the head limits cost.
+        parser.add_argument("--no-head-limits", action="store_true", help=argparse.SUPPRESS)
 
-    def handle(self, *args, host: str, port: int, server: str, no_agent: bool, loop: str = "asyncio", **options):
+    def handle(self, *args, host: str, port: int, server: str, no_agent: bool, loop: str = "asyncio",
+               no_head_limits: bool = False, **options):
         if not 0 < port < 65536:
             raise CommandError("--port must be 1..65535")
         loop_factory = self._loop_factory(loop) if server == "uvicorn" else None
         flavour = f"{server}, {'uvloop' if loop_factory else 'asyncio'} loop" if server == "uvicorn" else server
         self.stdout.write(f"XGEN Console on http://{host}:{port}/ ({flavour}; node {settings.NODE_NAME})")
+        if server == "daphne":
+            self.stdout.write("daphne: no request-head deadline, twisted's 16 KiB head cap and no connection cap "
+                              "(uvicorn, the default, has XGEN_HEAD_TIMEOUT, XGEN_MAX_HEAD_BYTES, XGEN_MAX_CONNECTIONS)")
         self.stdout.flush()
         if server == "uvicorn":
             with asyncio.Runner(loop_factory=loop_factory) as runner:
-                runner.run(self._run_uvicorn(host, port, not no_agent))
+                runner.run(self._run_uvicorn(host, port, not no_agent, head_limits=not no_head_limits))
         else:
             self._run_daphne(host, port, not no_agent)
 
@@ -58,10 +65,11 @@ class Command(BaseCommand):
 
         return NodeAgent()
 
-    async def _run_uvicorn(self, host: str, port: int, with_agent: bool) -> None:
+    async def _run_uvicorn(self, host: str, port: int, with_agent: bool, *, head_limits: bool = True) -> None:
         import uvicorn
 
         from xgenconsole.asgi import application
+        from xgenconsole.http_edge import guarded_protocol
 
         class Server(uvicorn.Server):
             @contextlib.contextmanager
@@ -77,7 +85,10 @@ class Command(BaseCommand):
                     for sig in (signal.SIGINT, signal.SIGTERM):
                         loop.remove_signal_handler(sig)
 
-        config = uvicorn.Config(application, host=host, port=port, lifespan="on", log_level="warning")
+        # httptools with the head deadline, the head size cap and the connection cap (xgenconsole.http_edge).
+        http = guarded_protocol(head_timeout_s=settings.HEAD_TIMEOUT_S, max_head_bytes=settings.MAX_HEAD_BYTES,
+                                max_connections=settings.MAX_CONNECTIONS) if head_limits else "httptools"
+        config = uvicorn.Config(application, host=host, port=port, lifespan="on", log_level="warning", http=http)
         web = Server(config)
         agent = self._make_agent(with_agent)
         stop = asyncio.Event()
