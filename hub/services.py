@@ -829,4 +829,18 @@ def fail_orphaned_jobs(*, node_name: str) -> int:
                                  "stopped and its files removed; the model in the store is unchanged.")
     for job_id, prefix, _pgid in held:
         unlock_prefix(prefix, holder=download_holder(job_id))
+    _remove_stray_download_dirs()
     return count
+
+
+def _remove_stray_download_dirs() -> None:
+    """Folders under DATA_DIR/downloads of jobs that no longer run (left by an agent that died before
+    it had the pid on the job): no job of this node runs while its agent starts."""
+    work = Path(settings.DATA_DIR) / "downloads"
+    if not work.is_dir():
+        return
+    active = {f"job-{pk}" for pk in DownloadJob.objects.filter(status__in=DOWNLOAD_ACTIVE).values_list("pk", flat=True)}
+    for folder in work.iterdir():
+        base = folder.name.removesuffix("-hfhome")
+        if folder.name.startswith("job-") and base not in active and folder.is_dir() and not folder.is_symlink():
+            shutil.rmtree(folder, ignore_errors=True)

@@ -175,9 +175,11 @@ def test_a_kill_9_mid_download_leaves_a_child_the_restarted_agent_stops(hub_dirs
         dest, hf_home = services.download_dirs(job.pk)
         assert services._is_download_child(job.pgid, job.pk)  # the child lives on, orphaned
         assert dest.is_dir()
+        stray = dest.parent / "job-999999-hfhome"  # a job whose agent died before its pid was stored
+        stray.mkdir()
         assert services.fail_orphaned_jobs(node_name="n1") == 1  # what the restarted agent does first
         assert not services._is_download_child(job.pgid, job.pk)
-        assert not dest.exists() and not hf_home.exists()
+        assert not dest.exists() and not hf_home.exists() and not stray.exists()
         job.refresh_from_db()
         assert job.status == "FAILED" and "its download process was stopped" in job.error
         assert job.pid is None and job.pgid is None
