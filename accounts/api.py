@@ -28,6 +28,22 @@ def key_out(key: ApiKey) -> dict:
     }
 
 
+def _unlimited_key_only(request: HttpRequest, action: str, target: str) -> None:
+    """Keys are made and changed by the console's people, or by an unlimited admin key: a key with
+    limits (allowed_models, rpm, tpm, token quotas) could otherwise lift them, by changing itself or
+    by making a key without them, so its holder would be bounded only by what they ask (issue 23)."""
+    key_id = getattr(request, "api_key_id", None)
+    if not key_id:
+        return
+    own = ApiKey.objects.filter(pk=key_id).first()
+    if own is not None and (own.allowed_models or own.is_limited):
+        record_audit(action=action, target=target, request=request, outcome=AuditOutcome.REFUSED,
+                     detail={"reason": "a key with limits cannot manage keys"})
+        raise ApiError(403, "This API key has limits (allowed_models, rpm, tpm or token quotas), so it cannot "
+                            "create, change or revoke keys: use a key without limits or the Keys page.",
+                       code="limited_key")
+
+
 def _key(key_id: int) -> ApiKey:
     key = ApiKey.objects.select_related("user").filter(pk=key_id).first()
     if key is None:
@@ -38,6 +54,7 @@ def _key(key_id: int) -> ApiKey:
 @keys_router.post("", response={201: KeyCreatedOut}, auth=admin_auth, summary="Create an API key (admin)")
 def create_key(request: HttpRequest, body: KeyIn):
     require_role(request, "admin")
+    _unlimited_key_only(request, "key_create", body.name)
     owner = User.objects.filter(username=body.username, is_active=True).first()
     if owner is None:
         record_audit(action="key_create", target=body.name, request=request, outcome=AuditOutcome.REFUSED,
@@ -70,6 +87,7 @@ def get_key(request: HttpRequest, key_id: int):
 @keys_router.patch("/{key_id}", response=KeyOut, auth=admin_auth, summary="Change a key's name, expiry or limits")
 def patch_key(request: HttpRequest, key_id: int, body: KeyPatch):
     require_role(request, "admin")
+    _unlimited_key_only(request, "key_change", f"key {key_id}")
     key = _key(key_id)
     sent = body.model_fields_set
     changes = {f: getattr(body, f) for f in (*LIMITS, "name") if f in sent}
@@ -91,6 +109,8 @@ def patch_key(request: HttpRequest, key_id: int, body: KeyPatch):
 @keys_router.delete("/{key_id}", response=KeyOut, auth=admin_auth, summary="Revoke an API key (admin)")
 def delete_key(request: HttpRequest, key_id: int):
     require_role(request, "admin")
+    if key_id != getattr(request, "api_key_id", None):  # any key may revoke itself
+        _unlimited_key_only(request, "key_revoke", f"key {key_id}")
     key = _key(key_id)
     first = revoke_api_key(key=key)
     record_audit(action="key_revoke", target=f"key {key.pk} ({key.name})", request=request,

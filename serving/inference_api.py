@@ -8,11 +8,13 @@ forwards any other `POST /v1/<path>` naming a `model`; the docs list the ones cl
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Literal
 
 from django.conf import settings
 from django.core.handlers.asgi import ASGIRequest
 from django.http import HttpRequest, HttpResponse, StreamingHttpResponse
+from django.middleware.csrf import get_token
 from ninja import Field, Router, Schema
 from pydantic import ConfigDict
 
@@ -20,17 +22,7 @@ from accounts.credentials import Principal, authenticate
 from accounts.errors import ErrorAnswer
 from serving.proxy import app as proxy_app
 from serving.proxy import metrics
-from serving.proxy.app import (
-    admit_request,
-    check_model_type,
-    parse_body,
-    ready_candidates,
-    request_id_from,
-    resolve_route,
-)
 from serving.proxy.errors import ProxyError
-from serving.proxy.upstream import open_upstream
-from serving.usage import RequestContext, recorder
 
 router = Router()
 
@@ -133,13 +125,10 @@ class EngineRequest(Schema):
 EngineRoute = Literal["tokenize", "detokenize", "apply-template", "infill", "rerank", "score", "pooling", "classify"]
 
 
-def _error(exc: ErrorAnswer, ctx: RequestContext | None = None) -> HttpResponse:
+def _error(exc: ErrorAnswer) -> HttpResponse:
     metrics.record_rejected(exc.code or str(exc.status))
     response = HttpResponse(exc.body(), status=exc.status, content_type="application/json")
-    extra = list(exc.headers) + (ctx.rate_headers if ctx is not None else [])
-    if ctx is not None and ctx.principal is not None:
-        recorder.record_refused(ctx, status=exc.status, code=exc.code)
-    for name, value in extra:
+    for name, value in exc.headers:
         response[name.decode("latin-1")] = value.decode("latin-1")
     return response
 
@@ -178,39 +167,22 @@ async def _replay(body: list[bytes]):
         yield chunk
 
 
-async def _forward(request: HttpRequest, kind: str) -> HttpResponse:
-    raw_headers = _raw_headers(request)
-    request_id = request_id_from(dict(raw_headers))
-    body = request.body
-    ctx = RequestContext(request_id=request_id, client=str(request.META.get("REMOTE_ADDR") or ""))
-    recorder.ensure_started()
-    operation = "embeddings" if request.path.rstrip("/").endswith("/embeddings") else "chat"  # chat or completions
-    try:
-        if len(body) > settings.PROXY_MAX_BODY_BYTES:
-            raise ProxyError(413, "The request body is too large.", code="request_too_large")
-        payload = parse_body(body)
-        ctx.principal = await _principal(request)
-        body = await admit_request(ctx, payload, body, operation=operation)
-        candidates = await ready_candidates(payload, kind=kind, principal=ctx.principal, ctx=ctx)
-        check_model_type(candidates, resolve_route(request.path), payload)
-        reply = await open_upstream(
-            path=request.path, query=request.META.get("QUERY_STRING", "").encode("latin-1"), body=body,
-            candidates=candidates, headers=raw_headers, request_id=request_id, ctx=ctx,
-        )
-    except ProxyError as exc:
-        return _error(exc, ctx)
-    return await _answer(request, reply.chunks(), reply.status, reply.headers())
-
-
-async def _via_proxy(request: HttpRequest) -> HttpResponse:
-    """Answer through the proxy's own ASGI app (the routes whose answer it shapes itself: the
-    Messages translation, unsupported_by_backend), streamed back through Django."""
-    scope = {
-        "type": "http", "method": request.method, "path": request.path, "scheme": request.scheme,
-        "query_string": request.META.get("QUERY_STRING", "").encode("latin-1"),
-        "headers": [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in request.headers.items()],
+def _proxy_scope(request: HttpRequest, *, path: str | None = None,
+                 headers: list[tuple[bytes, bytes]] | None = None) -> dict:
+    """The ASGI scope the proxy app would have been handed for this request."""
+    peer = str(request.META.get("REMOTE_ADDR") or "")
+    return {
+        "type": "http", "method": request.method, "path": path or request.path, "scheme": request.scheme,
+        "query_string": request.META.get("QUERY_STRING", "").encode("latin-1") if path is None else b"",
+        "headers": _raw_headers(request) if headers is None else headers,
+        "client": (peer, 0) if peer else None,
     }
-    body = request.body
+
+
+async def run_proxy(scope: dict, body: bytes):
+    """Run the proxy's own ASGI app on one request: (its response start message or None, an async
+    iterator of its body chunks). Every caller reaching a backend from Django comes through here, so
+    keys, limits, quotas, the queue, cold starts, usage and the request log hold for it as for /v1/."""
     queue: asyncio.Queue = asyncio.Queue()
     delivered = asyncio.Event()
 
@@ -227,8 +199,6 @@ async def _via_proxy(request: HttpRequest) -> HttpResponse:
     task = asyncio.ensure_future(proxy_app.proxy_app(scope, receive, send))
     task.add_done_callback(lambda _: queue.put_nowait(None))
     start = await queue.get()
-    if start is None:  # ended without answering (cannot happen: the app always answers)
-        return _error(ProxyError(502, "The proxy gave no answer.", code="upstream_error"))
 
     async def chunks():
         try:
@@ -244,7 +214,55 @@ async def _via_proxy(request: HttpRequest) -> HttpResponse:
             if not task.done():
                 task.cancel()
 
-    return await _answer(request, chunks(), start["status"], start["headers"])
+    return start, chunks()
+
+
+async def _via_proxy(request: HttpRequest) -> HttpResponse:
+    """Answer through the proxy's own ASGI app (the same core as /api/inference/ under ASGI),
+    streamed back through Django."""
+    start, chunks = await run_proxy(_proxy_scope(request), request.body)
+    if start is None:  # ended without answering (cannot happen: the app always answers)
+        return _error(ProxyError(502, "The proxy gave no answer.", code="upstream_error"))
+    if start["status"] >= 400 and (b"content-type", b"text/event-stream") not in start["headers"]:
+        # An error is a small whole body: a plain response, as Django's own JSON errors are.
+        response = HttpResponse(b"".join([chunk async for chunk in chunks]), status=start["status"])
+        for name, value in start["headers"]:
+            if name != b"content-length":
+                response[name.decode("latin-1")] = value.decode("latin-1")
+        return response
+    return await _answer(request, chunks, start["status"], start["headers"])
+
+
+SESSION_DROP = frozenset({b"authorization", b"x-api-key", b"content-type", b"content-length", b"transfer-encoding",
+                          b"cookie", b"x-csrftoken"})
+
+
+def session_headers(request: HttpRequest) -> list[tuple[bytes, bytes]]:
+    """The request's headers for the proxy as its signed-in user: its session cookie, and (Django's
+    CSRF check has passed for this request) its CSRF secret as both the cookie and the header the
+    proxy checks; no key of its own, so it acts as the session."""
+    get_token(request)  # the request's CSRF secret, made if it had none (a client exempt from the check)
+    cookies = {**request.COOKIES, settings.CSRF_COOKIE_NAME: request.META["CSRF_COOKIE"]}
+    headers = [(k, v) for k, v in _raw_headers(request) if k not in SESSION_DROP]
+    headers.append((b"cookie", "; ".join(f"{k}={v}" for k, v in cookies.items()).encode("latin-1")))
+    headers.append((b"x-csrftoken", request.META["CSRF_COOKIE"].encode("latin-1")))
+    return headers
+
+
+async def ask_as_session(request: HttpRequest, path: str, payload: dict) -> tuple[int, dict]:
+    """POST `payload` as JSON to the proxy's `path` as the request's signed-in user
+    (session_headers): (status, JSON answer). For the server-side playground: admitted, queued,
+    counted and logged as the user's like any /v1/ request."""
+    headers = [*session_headers(request), (b"content-type", b"application/json")]
+    start, chunks = await run_proxy(_proxy_scope(request, path=path, headers=headers), json.dumps(payload).encode())
+    data = b"".join([chunk async for chunk in chunks])
+    if start is None:
+        return 502, {"error": {"message": "The proxy gave no answer.", "code": "upstream_error"}}
+    try:
+        answer = json.loads(data)
+    except (ValueError, UnicodeDecodeError):
+        answer = {"error": {"message": data[:200].decode("utf-8", "replace"), "code": "upstream_error"}}
+    return start["status"], answer if isinstance(answer, dict) else {"data": answer}
 
 
 @router.get("/v1/models", response=ModelList, summary="List READY models")
@@ -266,19 +284,19 @@ async def get_model(request: HttpRequest, model: str):
 @router.post("/v1/chat/completions", summary="Chat completion (stream: true for SSE)")
 async def chat_completions(request: HttpRequest, payload: ChatCompletionRequest):
     """Routed by `model` (or to an LLM); streams chunk by chunk with `stream: true`."""
-    return await _forward(request, "llm")
+    return await _via_proxy(request)
 
 
 @router.post("/v1/completions", summary="Text completion (stream: true for SSE)")
 async def completions(request: HttpRequest, payload: CompletionRequest):
     """Routed by `model` (or to an LLM)."""
-    return await _forward(request, "llm")
+    return await _via_proxy(request)
 
 
 @router.post("/v1/embeddings", summary="Embeddings")
 async def embeddings(request: HttpRequest, payload: EmbeddingRequest):
     """Routed by `model` (or to an embedding model)."""
-    return await _forward(request, "embedding")
+    return await _via_proxy(request)
 
 
 @router.get("/embedding/v1/models", response=ModelList, summary="List READY embedding models")
@@ -290,7 +308,7 @@ async def list_embedding_models(request: HttpRequest):
 @router.post("/embedding/v1/embeddings", summary="Embeddings (explicit embedding route)")
 async def embedding_embeddings(request: HttpRequest, payload: EmbeddingRequest):
     """Routed by `model`, or to an embedding model."""
-    return await _forward(request, "embedding")
+    return await _via_proxy(request)
 
 
 

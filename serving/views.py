@@ -2,10 +2,9 @@
 timeline and playground, and the operator actions."""
 from __future__ import annotations
 
-import json
 import re
 
-import httpx
+from asgiref.sync import async_to_sync
 from django.contrib import messages
 from django.http import FileResponse, Http404, HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
@@ -19,6 +18,7 @@ from hardware.models import GpuDevice, Node
 from hub.models import ModelArtifact
 from serving.events import instances_context, timeline_events
 from serving.forms import ExtraArgsError, LoadForm, parse_extra_args
+from serving.inference_api import ask_as_session
 from serving.models import InstanceState, ModelInstance
 from serving.node.logs import current_log, previous_log
 from serving.placement import gpu_rooms
@@ -27,7 +27,6 @@ from serving.proxy.metrics import usage_summary
 from serving.proxy.ondemand import queue_depth
 from serving.services import request_load, request_restart, request_unload
 
-PLAYGROUND_TIMEOUT_S = 60
 ASCII_INT_RE = re.compile(r"^[0-9]{1,6}$")  # str.isdigit() also passes '²', which int() refuses
 
 
@@ -226,7 +225,9 @@ def _instance_action(request: HttpRequest, pk: int, action: str) -> HttpResponse
 @require_POST
 def playground(request: HttpRequest, pk: int) -> HttpResponse:
     """Send one chat message (LLM), one text to embed, or a query and its documents (a reranker:
-    the first line and the lines after it) to the instance's backend, server-side."""
+    the first line and the lines after it) to the instance's model, server-side. It goes through
+    the inference proxy as the signed-in user (serving.inference_api.ask_as_session), never straight
+    to the backend: the queue, max_concurrency, usage and the request log hold for it as for /v1/."""
     inst = get_object_or_404(ModelInstance.objects.select_related("node"), pk=pk)
     text = (request.POST.get("prompt") or "").strip()
     ctx: dict = {"inst": inst, "prompt": text}
@@ -237,30 +238,30 @@ def playground(request: HttpRequest, pk: int) -> HttpResponse:
     elif inst.type == "rerank" and len([line for line in text.splitlines() if line.strip()]) < 2:
         ctx["error"] = "Give the query on the first line and at least one document on the lines after it."
     else:
+        if inst.type == "rerank":
+            query, *docs = [line.strip() for line in text.splitlines() if line.strip()]
+            path, body = "/v1/rerank", {"model": inst.model_name, "query": query, "documents": docs}
+        elif inst.type == "embedding":
+            path, body = "/v1/embeddings", {"model": inst.model_name, "input": text}
+        else:
+            path, body = "/v1/chat/completions", {"model": inst.model_name, "max_tokens": 64,
+                                                  "messages": [{"role": "user", "content": text}]}
+        status, data = async_to_sync(ask_as_session)(request, path, body)
         try:
-            if inst.type == "rerank":
-                query, *docs = [line.strip() for line in text.splitlines() if line.strip()]
-                r = httpx.post(f"{inst.upstream_base}/v1/rerank",
-                               json={"model": inst.model_name, "query": query, "documents": docs},
-                               timeout=PLAYGROUND_TIMEOUT_S, trust_env=False)
-                r.raise_for_status()
+            if status != 200:
+                error = data.get("error")
+                message = error.get("message") if isinstance(error, dict) else None
+                ctx["error"] = f"{status}: {str(message or data)[:300]}"
+            elif inst.type == "rerank":
                 ctx["prompt"] = query
                 ctx["ranking"] = [{"score": row["relevance_score"], "document": docs[row["index"]]}
-                                  for row in r.json()["results"]]
+                                  for row in data["results"]]
             elif inst.type == "embedding":
-                r = httpx.post(f"{inst.upstream_base}/v1/embeddings", json={"model": inst.model_name, "input": text},
-                               timeout=PLAYGROUND_TIMEOUT_S, trust_env=False)
-                r.raise_for_status()
-                vec = r.json()["data"][0]["embedding"]
+                vec = data["data"][0]["embedding"]
                 ctx["embedding"] = {"dims": len(vec), "head": ", ".join(f"{v:.4f}" for v in vec[:8])}
             else:
-                body = {"model": inst.model_name, "messages": [{"role": "user", "content": text}], "max_tokens": 64}
-                r = httpx.post(f"{inst.upstream_base}/v1/chat/completions", json=body, timeout=PLAYGROUND_TIMEOUT_S,
-                               trust_env=False)
-                r.raise_for_status()
-                data = r.json()
                 ctx["reply"] = data["choices"][0]["message"]["content"]
                 ctx["usage"] = data.get("usage") or {}
-        except (httpx.HTTPError, KeyError, IndexError, TypeError, ValueError, json.JSONDecodeError) as exc:
-            ctx["error"] = f"The backend did not answer: {exc.__class__.__name__}: {str(exc)[:200]}"
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
+            ctx["error"] = f"The backend's answer was not understood: {exc.__class__.__name__}: {str(exc)[:200]}"
     return render(request, "serving/partials/_playground_reply.html", ctx)

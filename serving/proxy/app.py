@@ -738,7 +738,8 @@ async def _forward(scope, receive, send, *, path: str, body: bytes, candidates: 
     slot = ondemand.NO_SLOT
     try:
         # max_concurrency: wait for a slot here, where a client that leaves is noticed.
-        slot = await ondemand.admit(candidates[0].model_name, candidates, _priority(ctx))
+        slot = await ondemand.admit(candidates[0].model_name, candidates, _priority(ctx),
+                                    ondemand.queue_owner(ctx.principal, ctx.client))
         reply = await open_upstream(path=path, query=scope.get("query_string", b""), body=body,
                                     candidates=candidates, headers=scope["headers"], request_id=ctx.request_id,
                                     upstream_path=upstream_path, ctx=ctx)

@@ -6,9 +6,11 @@ when each model was last asked for.
   many requests wait in this process, and waits for READY by reading the row. Other web processes
   that see the instance already starting only wait.
 - A model whose replicas have `max_concurrency` admits that many requests per replica at once;
-  the rest wait in a queue, FIFO within the keys' priority (higher first), at most
-  XGEN_QUEUE_MAX long and XGEN_QUEUE_TIMEOUT_S each: beyond either, 429 queue_full. The queue
-  is this process's: with several web processes each admits max_concurrency.
+  the rest wait in a queue, by the keys' priority (higher first), then round robin among the
+  keys waiting (ModelGate), at most XGEN_QUEUE_MAX long and XGEN_QUEUE_TIMEOUT_S each: beyond
+  either, 429 queue_full (a full queue first makes room for a key holding fewer places than the
+  one holding the most). The queue is this process's: with several web processes each admits
+  max_concurrency.
 - The last request time of on_demand instances goes to the database every ACTIVITY_FLUSH_S
   (instances with requests open count as used), off the request path; the node's supervisor
   unloads on it, and eviction orders by it.
@@ -27,6 +29,7 @@ from datetime import UTC, datetime
 
 from django.conf import settings
 
+from accounts.credentials import Principal
 from live.db import run_db
 from live.tasks import cancel_and_wait
 from serving.proxy import metrics
@@ -253,15 +256,28 @@ class Slot:
 NO_SLOT = Slot(gate=None)
 
 
+@dataclass(eq=False)
+class _Waiter:
+    owner: str
+    future: asyncio.Future
+
+
 class ModelGate:
-    """max_concurrency for one served name in this process, and its queue."""
+    """max_concurrency for one served name in this process, and its queue.
+
+    The queue is shared fairly among the keys that wait in it (issue 23): within a priority, a
+    key's n-th waiting request goes after every other key's (n-1)-th (round robin, not first come
+    first served), and a full queue makes room for a key holding fewer places than the one
+    holding the most, whose newest waiter is answered 429 queue_full. One key flooding a model
+    can neither shut the others out of its queue nor keep them at its back."""
 
     def __init__(self, model: str) -> None:
         self.model = model
         self.active = 0
         self.capacity = 1
         self.waiting = 0
-        self._heap: list[tuple[int, int, asyncio.Future]] = []
+        self._heap: list[tuple[int, int, int, _Waiter]] = []
+        self._by_owner: dict[str, list[_Waiter]] = {}  # each owner's waiters, oldest first
         self._seq = itertools.count()
         self.hold_s = 1.0  # a moving average of how long a request holds a slot (for Retry-After)
 
@@ -273,38 +289,66 @@ class ModelGate:
         return ProxyError(429, f"The queue for '{self.model}' is full ({why}); try again later.", code="queue_full",
                           headers=[(b"retry-after", str(self.retry_after()).encode())])
 
-    async def acquire(self, capacity: int, priority: int) -> Slot:
+    def _make_room_for(self, owner: str) -> bool:
+        """Push out the newest waiter of the owner holding the most places, when it holds more
+        than `owner` would with one more; False when the queue is shared fairly already."""
+        mine = len(self._by_owner.get(owner, ()))
+        heaviest = max(self._by_owner, key=lambda o: len(self._by_owner[o]), default=None)
+        if heaviest is None or heaviest == owner or len(self._by_owner[heaviest]) <= mine + 1:
+            return False
+        victim = self._by_owner[heaviest][-1]
+        self._forget(victim)
+        self.waiting -= 1
+        victim.future.set_exception(self._full(
+            f"a key with fewer places needed one; this key held {len(self._by_owner.get(heaviest, ())) + 1} of "
+            f"{settings.QUEUE_MAX}"))
+        return True
+
+    def _forget(self, waiter: _Waiter) -> None:
+        mine = self._by_owner.get(waiter.owner)
+        if mine is not None:
+            with contextlib.suppress(ValueError):
+                mine.remove(waiter)
+            if not mine:
+                del self._by_owner[waiter.owner]
+
+    async def acquire(self, capacity: int, priority: int, owner: str = "") -> Slot:
         self.capacity = capacity
         if self.active < capacity and not self.waiting:
             self.active += 1
             return Slot(gate=self)
-        if self.waiting >= settings.QUEUE_MAX:
+        if self.waiting >= settings.QUEUE_MAX and not self._make_room_for(owner):
             raise self._full(f"{self.waiting} requests wait, XGEN_QUEUE_MAX is {settings.QUEUE_MAX}")
-        fut = asyncio.get_running_loop().create_future()
-        heapq.heappush(self._heap, (-priority, next(self._seq), fut))
+        waiter = _Waiter(owner=owner, future=asyncio.get_running_loop().create_future())
+        rank = len(self._by_owner.setdefault(owner, []))
+        self._by_owner[owner].append(waiter)
+        heapq.heappush(self._heap, (-priority, rank, next(self._seq), waiter))
         self.waiting += 1
         metrics.QUEUE_DEPTH.labels(self.model).set(self.waiting)
         waited_from = time.perf_counter()
         try:
             async with asyncio.timeout(settings.QUEUE_TIMEOUT_S):
-                await fut
+                await waiter.future
         except TimeoutError:
-            self._leave(fut)
+            self._leave(waiter)
             raise self._full(f"waited {settings.QUEUE_TIMEOUT_S} s, XGEN_QUEUE_TIMEOUT_S") from None
         except asyncio.CancelledError:  # the client left while queued
-            self._leave(fut)
+            self._leave(waiter)
             raise
         finally:
             metrics.QUEUE_WAIT.labels(self.model).observe(time.perf_counter() - waited_from)
             metrics.QUEUE_DEPTH.labels(self.model).set(self.waiting)
         return Slot(gate=self)
 
-    def _leave(self, fut: asyncio.Future) -> None:
+    def _leave(self, waiter: _Waiter) -> None:
+        fut = waiter.future
         if fut.done() and not fut.cancelled():
-            self.release(None)  # it was handed a slot as it left: pass it on
-            return
+            if fut.exception() is None:
+                self.release(None)  # it was handed a slot as it left: pass it on
+            return  # (pushed out: counted then)
         if not fut.done():
             fut.cancel()
+        self._forget(waiter)
         self.waiting -= 1
 
     def release(self, held_s: float | None) -> None:
@@ -312,12 +356,13 @@ class ModelGate:
             self.hold_s = 0.8 * self.hold_s + 0.2 * held_s
         self.active -= 1
         while self._heap and self.active < self.capacity:
-            _, _, fut = heapq.heappop(self._heap)
-            if fut.done():
-                continue  # left already (counted then)
+            _, _, _, waiter = heapq.heappop(self._heap)
+            if waiter.future.done():
+                continue  # left or pushed out already (counted then)
+            self._forget(waiter)
             self.waiting -= 1
             self.active += 1
-            fut.set_result(True)
+            waiter.future.set_result(True)
             return
 
 
@@ -331,15 +376,24 @@ def capacity_of(backends: list[Backend]) -> int | None:
     return sum(int(b.max_concurrency) for b in backends)
 
 
-async def admit(model: str, backends: list[Backend], priority: int) -> Slot:
-    """A slot for one request to `model` (waiting in its queue while the replicas are full)."""
+async def admit(model: str, backends: list[Backend], priority: int, owner: str = "") -> Slot:
+    """A slot for one request to `model` (waiting in its queue while the replicas are full);
+    `owner` names whose request it is (queue_owner) for the queue's fair share."""
     capacity = capacity_of(backends)
     if capacity is None:
         return NO_SLOT
     gate = _gates.get(model)
     if gate is None:
         gate = _gates[model] = ModelGate(model)
-    return await gate.acquire(capacity, priority)
+    return await gate.acquire(capacity, priority, owner)
+
+
+def queue_owner(principal: Principal | None, client: str = "") -> str:
+    """Whose request it is, for the queue's fair share: the key, else the signed-in user, else the
+    client address."""
+    if principal is None:
+        return f"addr:{client}"
+    return f"key:{principal.key_id}" if principal.key_id else f"user:{principal.user_id}"
 
 
 def queue_depth(model: str) -> int:

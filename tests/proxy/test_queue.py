@@ -137,7 +137,8 @@ def test_overflow_gets_429_queue_full_the_rest_complete_in_order_and_high_priori
     _until(lambda: _depth(pc) == 1, "r2 waits in the queue")
     waiting.append(Stream(pc, "r3", pc.keys["low"]))
     _until(lambda: _depth(pc) == 2, "r3 waits in the queue")
-    overflow = [Stream(pc, f"r{i}") for i in (4, 5, 6)]
+    # The key holding every place asks again: refused (another key would have pushed one of its places out).
+    overflow = [Stream(pc, f"r{i}", pc.keys["low"]) for i in (4, 5, 6)]
     for s in overflow:
         s.join(30)
         assert s.status == 429, (s.tag, s.status, s.text)

@@ -18,7 +18,9 @@ from tests.procs import stop_process
 from tests.serving.conftest import backend_pids, set_console_backends, wait_api
 
 ENV = {"XGEN_RESTART_BACKOFF": "0", "XGEN_RECONCILE_INTERVAL": "1", "XGEN_STOP_GRACE": "5",
-       "XGEN_NODE_MEMORY_MIB": "800", "XGEN_COLD_START_KEEPALIVE_S": "0", "XGEN_USAGE_FLUSH": "1"}
+       "XGEN_NODE_MEMORY_MIB": "800", "XGEN_COLD_START_KEEPALIVE_S": "0", "XGEN_USAGE_FLUSH": "1",
+       # Models used moments ago may go here (the grace that keeps them: tests/serving/test_eviction_guard.py).
+       "XGEN_EVICT_GRACE_S": "0"}
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
 
