@@ -6,6 +6,12 @@ IDLE instances hold nothing. When a start does not fit, the node's unpinned on_d
 instances are evicted, least recently used first, until it does: each is sent back to IDLE (its
 desired state; the node's supervisor stops it, as for an unload) with the reason in its timeline.
 `always` and pinned instances are never evicted.
+
+Every start (a request's cold start, the Start button, a clicked load, a restart, an autostart)
+checks the fit with the best figure known for the instance's shape at that moment
+(`start_memory`): its own measurement, else the one recorded for the same model, backend,
+context and tensor parallel size by another instance, else the estimate; the refusal and the
+timeline say which.
 """
 from __future__ import annotations
 
@@ -42,6 +48,46 @@ class NoRoom(Exception):
                          for h in self.holders]}
 
 
+@dataclass(frozen=True)
+class StartMemory:
+    """The figure a start is checked with, and where it came from (for the refusal and the timeline)."""
+
+    mib: int
+    source: str  # "measured" (its own), "shape" (another instance of its shape), "estimate"
+    basis: str  # "measured by this instance", "measured for the same model, backend and context on node-a, ..."
+
+    @property
+    def note(self) -> str:
+        """The timeline's words: "memory for the fit check: 81 MiB, measured ..."."""
+        return f"memory for the fit check: {self.mib} MiB, {self.basis}"
+
+
+def start_memory(inst: ModelInstance) -> StartMemory:
+    """The best figure known now for what `inst` will hold once started: its own measurement, else
+    the measurement of its load shape (model, backend and flavour, context, tensor parallel size)
+    recorded by another instance, else its estimate."""
+    from django.utils.timesince import timesince
+
+    from serving.models import MemoryMeasurement
+    from serving.planning import load_ctx, stored_plan
+
+    estimate = int(inst.estimated_memory_mib or 0)
+    if inst.measured_memory_mib:
+        return StartMemory(int(inst.measured_memory_mib), "measured",
+                           f"measured by this instance ({inst.measured_source or 'memory'}); estimate {estimate} MiB")
+    plan = stored_plan(inst)
+    if plan is not None:
+        m = MemoryMeasurement.objects.filter(
+            model_path=plan.model_path, backend=f"{plan.backend} ({plan.flavour})", ctx=load_ctx(inst.extra_args),
+            tensor_parallel_size=plan.tensor_parallel_size).first()
+        if m is not None:
+            ago = timesince(m.measured_at).split(",")[0]
+            return StartMemory(int(m.measured_mib), "shape",
+                               f"measured for the same model, backend and context on {m.node_name}, {ago} ago "
+                               f"({m.source}); estimate {estimate} MiB")
+    return StartMemory(estimate, "estimate", "the estimate (no measurement of this shape yet)")
+
+
 def offered_mib(node: Node) -> int | None:
     """What the node offers to models (None: unknown, so anything fits)."""
     if node.model_memory_mib:
@@ -66,21 +112,25 @@ def _evictable(inst: ModelInstance) -> bool:
     return inst.policy == Policy.ON_DEMAND and not inst.pinned and inst.state == InstanceState.READY
 
 
-def fits_at_all(node: Node, need_mib: int, *, model_name: str) -> None:
-    """Refuse a model larger than all its node offers (NoRoom)."""
+def _basis(need_mib: int, basis: str) -> str:
+    return f"; {need_mib} MiB is {basis}" if basis else ""
+
+
+def fits_at_all(node: Node, need_mib: int, *, model_name: str, basis: str = "") -> None:
+    """Refuse a model larger than all its node offers (NoRoom); `basis` says where `need_mib` came from."""
     offered = offered_mib(node)
     if offered is not None and need_mib > offered:
-        raise NoRoom(f"{model_name} needs {need_mib} MiB; {node.name} offers {offered} MiB to models in all",
-                     need_mib=need_mib, free_mib=offered, holders=[])
+        raise NoRoom(f"{model_name} needs {need_mib} MiB; {node.name} offers {offered} MiB to models in all"
+                     f"{_basis(need_mib, basis)}", need_mib=need_mib, free_mib=offered, holders=[])
 
 
 def make_room(node: Node, need_mib: int, *, model_name: str, exclude: int | None = None,
-              gpus: list[int] | None = None) -> list[ModelInstance]:
+              gpus: list[int] | None = None, basis: str = "") -> list[ModelInstance]:
     """Evict what must go for `need_mib` to fit on `node` (call it under the node's placement lock):
     on the GPUs the start will use (`gpus`: their free memory as the detector last saw it, the
     memory of each evicted instance given back to its GPUs), and within what the node offers to
     models. The evicted instances are returned (their desired state is IDLE now; nudge their
-    node). Raises NoRoom with the numbers."""
+    node). Raises NoRoom with the numbers (and `basis`: where `need_mib` came from)."""
     from serving.placement import gpu_rooms
 
     node = Node.objects.select_for_update().get(pk=node.pk)  # (PostgreSQL: locked already by placement_lock)
@@ -98,7 +148,8 @@ def make_room(node: Node, need_mib: int, *, model_name: str, exclude: int | None
             if victim is None:
                 index = min(rooms, key=lambda i: rooms[i])
                 _refuse(node, model_name, need_mib, held, f"GPU {index} has {int(rooms[index])} MiB free, "
-                                                          f"{int(per_gpu)} MiB needed there", free=int(rooms[index]))
+                                                          f"{int(per_gpu)} MiB needed there", free=int(rooms[index]),
+                        basis=basis)
             victims.append(victim)
             for idx in victim.gpus or []:
                 if idx in rooms:
@@ -115,7 +166,7 @@ def make_room(node: Node, need_mib: int, *, model_name: str, exclude: int | None
         if free < need_mib:
             base = offered - sum(i.memory_mib for i in held)
             _refuse(node, model_name, need_mib, held, f"{max(base, 0)} MiB free of {offered} MiB offered to models",
-                    free=max(base, 0))
+                    free=max(base, 0), basis=basis)
     now = timezone.now()
     for victim in victims:
         reason = f"evicted to make room for {model_name}"
@@ -126,9 +177,20 @@ def make_room(node: Node, need_mib: int, *, model_name: str, exclude: int | None
     return victims
 
 
-def _refuse(node: Node, model_name: str, need_mib: int, held: list[ModelInstance], where: str, *, free: int) -> None:
+def record_refusal(instance_id: int, exc: NoRoom) -> None:
+    """A refused start in the instance's timeline, once however many requests are refused alike."""
+    message = f"start refused: {exc.message}"
+    inst = ModelInstance.objects.filter(pk=instance_id).only("state").first()
+    last = InstanceEvent.objects.filter(instance_id=instance_id).order_by("-at", "-pk") \
+        .values_list("message", flat=True).first()
+    if inst is not None and last != message:
+        InstanceEvent.objects.create(instance=inst, from_state=inst.state, to_state=inst.state, message=message)
+
+
+def _refuse(node: Node, model_name: str, need_mib: int, held: list[ModelInstance], where: str, *, free: int,
+            basis: str = "") -> None:
     summary = [Holder(i.pk, i.model_name, i.memory_mib, _evictable(i)) for i in held]
     who = ", ".join(f"{h.model_name} (instance {h.instance_id}) {h.mib} MiB"
                     f"{'' if h.evictable else ' (pinned or always)'}" for h in summary) or "nothing"
     raise NoRoom(f"{model_name} needs {need_mib} MiB; {node.name} has {where} and nothing more can be evicted "
-                 f"(held: {who})", need_mib=need_mib, free_mib=free, holders=summary)
+                 f"(held: {who}){_basis(need_mib, basis)}", need_mib=need_mib, free_mib=free, holders=summary)

@@ -18,7 +18,7 @@ from django.db.models import Q
 
 from live.groups import send_sync
 from serving import events
-from serving.capacity import NoRoom, fits_at_all, make_room
+from serving.capacity import NoRoom, fits_at_all, make_room, record_refusal, start_memory
 from serving.models import (
     ACTIVE_STATES,
     DesiredState,
@@ -33,7 +33,7 @@ from serving.planning import LoadRefused, plan_load, stored_plan
 log = logging.getLogger("xgen.serving")
 
 __all__ = ["LoadRefused", "find_instance", "instances_for_node", "name_holders", "nudge_node", "request_cold_start",
-           "request_load", "request_restart", "request_start", "request_unload", "save_log_tail"]
+           "request_load", "request_restart", "request_start", "request_unload", "save_log_tail", "start_again"]
 
 
 def nudge_node(node_name: str) -> None:
@@ -149,11 +149,12 @@ def request_load(*, model_path: str, model_name: str | None = None, server_type:
                 plan = dataclasses.replace(plan_load(node=plan.node.name, **args), placement=plan.placement)
             may_fall_back = fallback if fallback is not None else backend in (None, "", "auto")
             plan = dataclasses.replace(plan, launch=dataclasses.replace(plan.launch, fallback=bool(may_fall_back)))
+            basis = _plan_basis(plan)
             if start_now:
                 victims = make_room(plan.node, plan.estimate.total_mib, model_name=plan.model_name,
-                                    gpus=list(plan.gpus))
+                                    gpus=list(plan.gpus), basis=basis)
             else:
-                fits_at_all(plan.node, plan.estimate.total_mib, model_name=plan.model_name)
+                fits_at_all(plan.node, plan.estimate.total_mib, model_name=plan.model_name, basis=basis)
             inst = _record_load(plan, aliases=aliases, autostart=autostart, user=user, start_now=start_now,
                                 **on_demand_fields)
     except NoRoom as exc:
@@ -172,6 +173,13 @@ def request_load(*, model_path: str, model_name: str | None = None, server_type:
     return inst
 
 
+def _plan_basis(plan) -> str:
+    """Where a new load's figure came from (its plan took the shape's measurement when one was recorded)."""
+    measured = plan.estimate.measured
+    return (f"{measured} for the same model, backend and context" if measured
+            else "the estimate (no measurement of this shape yet)")
+
+
 def _record_load(plan, *, aliases: list[str], autostart: bool, user, start_now: bool = True,
                  **on_demand_fields) -> ModelInstance:
     clash = _duplicate(plan.model_name)
@@ -183,7 +191,8 @@ def _record_load(plan, *, aliases: list[str], autostart: bool, user, start_now: 
     launch = plan.launch
     return ModelInstance.create_requested(
         message=(f"load requested: {launch.reason}; {launch.fit}" if start_now else
-                 f"registered on_demand: {launch.reason}; {launch.fit}; starts on the first request"),
+                 f"registered on_demand: {launch.reason}; {launch.fit}; starts on the first request")
+        + f"; memory for the fit check: {plan.estimate.total_mib} MiB, {_plan_basis(plan)}",
         state=InstanceState.PENDING if start_now else InstanceState.IDLE,
         model_name=plan.model_name, aliases=aliases, model_path=plan.source.model_path,
         artifact=plan.source.artifact,
@@ -204,18 +213,56 @@ def request_cold_start(*, instance_id: int, reason: str = "started by a request"
     node_id = ModelInstance.objects.filter(pk=instance_id).values_list("node_id", flat=True).first()
     if node_id is None:
         raise ModelInstance.DoesNotExist(f"no instance {instance_id}")
-    with placement_lock(node_id):
-        inst = ModelInstance.objects.select_for_update(of=("self",)).select_related("node").get(pk=instance_id)
-        if inst.state != InstanceState.IDLE:
-            return inst
-        planned = stored_plan(inst)
-        victims = make_room(inst.node, inst.memory_mib, model_name=inst.model_name, exclude=inst.pk,
-                            gpus=list(planned.gpus) if planned else None)
-        ModelInstance.objects.filter(pk=inst.pk).update(desired_state=DesiredState.RUNNING)
-        inst.mark_pending(reason, desired_state=DesiredState.RUNNING, last_error="", exit_code=None, restarts=0)
+    try:
+        with placement_lock(node_id):
+            inst = ModelInstance.objects.select_for_update(of=("self",)).select_related("node").get(pk=instance_id)
+            if inst.state != InstanceState.IDLE:
+                return inst
+            ModelInstance.objects.filter(pk=inst.pk).update(desired_state=DesiredState.RUNNING)
+            victims = _checked_start(inst, reason, desired_state=DesiredState.RUNNING, last_error="", exit_code=None,
+                                     restarts=0)
+    except NoRoom as exc:
+        record_refusal(instance_id, exc)
+        raise
     if victims:
         _evict(victims)
     nudge_node(inst.node.name)
+    return inst
+
+
+def _checked_start(inst: ModelInstance, reason: str, **fields) -> list[ModelInstance]:
+    """Under the node's placement lock: room made for `inst` with the best memory figure known now
+    (capacity.start_memory: its own measurement, its shape's, else the estimate), then PENDING,
+    the figure and where it came from in its timeline. Returns the evicted; raises NoRoom."""
+    memory = start_memory(inst)
+    planned = stored_plan(inst)
+    victims = make_room(inst.node, memory.mib, model_name=inst.model_name, exclude=inst.pk,
+                        gpus=list(planned.gpus) if planned else None, basis=memory.basis)
+    if memory.source == "shape":  # what it is booked at until its own measurement
+        fields["estimated_memory_mib"] = memory.mib
+    inst.mark_pending(f"{reason}; {memory.note}", **fields)
+    return victims
+
+
+def start_again(instance_id: int, reason: str) -> ModelInstance | None:
+    """The node agent starting an instance that stopped with its agent (autostart) or is started
+    again on its node: the fit checked as for any start. None when it does not fit: it stays
+    STOPPED (desired STOPPED, so nothing waits for it; autostart kept for the next agent) with
+    the refusal in its timeline."""
+    node_id = ModelInstance.objects.filter(pk=instance_id).values_list("node_id", flat=True).first()
+    if node_id is None:
+        return None
+    try:
+        with placement_lock(node_id):
+            inst = ModelInstance.objects.select_for_update(of=("self",)).select_related("node").get(pk=instance_id)
+            victims = _checked_start(inst, reason)
+    except NoRoom as exc:
+        ModelInstance.objects.filter(pk=instance_id).update(desired_state=DesiredState.STOPPED,
+                                                            state_message=f"start refused: {exc.message}"[:500])
+        record_refusal(instance_id, exc)
+        return None
+    if victims:
+        _evict(victims)
     return inst
 
 
@@ -270,14 +317,21 @@ def request_restart(*, instance: ModelInstance) -> ModelInstance:
         if clash is not None:
             raise LoadRefused(409, f"another instance now serves {instance.model_name!r}",
                               code="duplicate_model_name")
+        victims: list[ModelInstance] = []
         try:
-            instance.mark_pending("restart requested", desired_state=DesiredState.RUNNING, restarts=0,
-                                  last_error="", exit_code=None)
+            with placement_lock(instance.node_id):
+                victims = _checked_start(instance, "restart requested", desired_state=DesiredState.RUNNING,
+                                         restarts=0, last_error="", exit_code=None)
+        except NoRoom as exc:
+            record_refusal(instance.pk, exc)
+            raise _no_room(exc) from None
         except IntegrityError:
             raise LoadRefused(409, f"another instance now serves {instance.model_name!r}",
                               code="duplicate_model_name") from None
         except IllegalTransition:  # it left STOPPED/ERROR meanwhile: restart what runs
             instance.note_restart_requested()
+        if victims:
+            _evict(victims)
     else:
         instance.note_restart_requested()
     nudge_node(instance.node.name)

@@ -65,7 +65,7 @@ from serving.planning import (
     record_measurement,
     stored_plan,
 )
-from serving.services import instances_for_node, save_log_tail
+from serving.services import instances_for_node, save_log_tail, start_again
 
 if TYPE_CHECKING:
     from serving.node.agent import NodeAgent
@@ -337,7 +337,9 @@ class Supervisor(AgentWorker):
         if inst.state != InstanceState.PENDING:  # e.g. STOPPED by the last agent's shutdown, to run again
             if InstanceState.PENDING not in TRANSITIONS[inst.state]:
                 await db_mark(inst.pk, ModelInstance.mark_stopped, "no backend runs for it here", keep_gpus=True)
-            inst = await db_mark(inst.pk, ModelInstance.mark_pending, "starting it again on this node")
+            inst = await _db(start_again)(inst.pk, "starting it again on this node")  # the fit checked, as any start
+            if inst is None:  # it does not fit now (its timeline says why): it stays STOPPED
+                return STOPPED
         try:
             plan = run.plan = await _db(plan_for_instance)(inst)
             run.adapter, run.host = get_adapter(plan.backend), plan.host

@@ -88,7 +88,8 @@ def test_three_concurrent_requests_to_an_idle_model_start_one_backend(od, tiny_g
     assert ready["state"] == "READY"
     assert backend_pids("od-three", ready["port"]) == [ready["pid"]], "one backend process for three requests"
     starts = [row for row in _timeline(od, loaded["id"]) if row[:2] == ("IDLE", "PENDING")]
-    assert len(starts) == 1 and starts[0][2] == "started by a request"
+    assert len(starts) == 1 and starts[0][2] == ("started by a request; memory for the fit check: 514 MiB, "
+                                                 "the estimate (no measurement of this shape yet)")
     assert _models(od)["od-three"]["status"] == "ready"
     warm = _chat(od, "od-three")
     assert warm.status_code == 200 and "x-xgen-cold-start" not in warm.headers
@@ -126,10 +127,11 @@ def _measured(od: KeyedConsole, pk: int) -> dict:
 
 def _squeeze(od: KeyedConsole, pk: int) -> tuple[int, int]:
     """Cap the node (what XGEN_NODE_MEMORY_MIB records) at what its instances hold now plus what
-    instance `pk` needs, less 1 MiB: it fits only if something goes. (cap, need)"""
-    code = ("from hardware.models import Node; from serving.capacity import holders; "
+    instance `pk` needs (the figure its start is checked with), less 1 MiB: it fits only if
+    something goes. (cap, need)"""
+    code = ("from hardware.models import Node; from serving.capacity import holders, start_memory; "
             "from serving.models import ModelInstance; node = Node.objects.get(name='test-node'); "
-            f"need = ModelInstance.objects.get(pk={pk}).memory_mib; "
+            f"need = start_memory(ModelInstance.objects.get(pk={pk})).mib; "
             "cap = sum(i.memory_mib for i in holders(node)) + need - 1; "
             "Node.objects.filter(pk=node.pk).update(model_memory_mib=cap); print(cap, need)")
     cap, need = od.console.manage("shell", "-v", "0", "-c", code).stdout.split()[-2:]
