@@ -65,7 +65,7 @@ class InventoryWorker:
         self.report = result.report
         chain = self.chain if self.chain is not None else [cls() for cls in DETECTORS.values()]
         self._detector = next((d for d in chain if d.name == result.report.detector), None)
-        await run_db(save_inventory, node_name=agent.name, result=result)
+        await run_db(save_inventory, node_name=agent.name, result=result, run=getattr(agent, "run_id", ""))
         log.info("hardware on %s: detector %s, %d GPU(s), backends %s", agent.name, result.report.detector,
                  len(result.report.gpus), [b["name"] for b in result.backends or [] if b["available"]])
         await publish_gpus()
@@ -88,7 +88,7 @@ class InventoryWorker:
         result.report.cpu.percent = cpu_percent(self._cpu_times, times)
         self._cpu_times = times
         self.report = result.report
-        await run_db(save_inventory, node_name=agent.name, result=result)
+        await run_db(save_inventory, node_name=agent.name, result=result, run=getattr(agent, "run_id", ""))
         await publish_node(agent.name)
         await self.sample(agent)
 

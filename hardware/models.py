@@ -38,6 +38,13 @@ class Node(models.Model):
     cpu_percent = models.FloatField(null=True, blank=True)
     model_memory_mib = models.BigIntegerField(
         default=0, db_default=0, help_text="XGEN_NODE_MEMORY_MIB of its agent: the most it offers to models (0: no cap)")
+    # Which agent run the row's inventory (GPUs, CPU/RAM, backends) came from: a load planned just
+    # after an agent restart must not read the previous run's (issue 32 #5).
+    agent_run = models.CharField(max_length=32, blank=True, default="", db_default="",
+                                 help_text="the run id of the agent that registered last ('': none given)")
+    inventory_run = models.CharField(max_length=32, blank=True, default="", db_default="",
+                                     help_text="the agent run the stored inventory came from")
+    inventory_at = models.DateTimeField(null=True, blank=True, help_text="when the inventory was saved")
 
     class Meta:
         ordering = ["name"]
@@ -67,6 +74,13 @@ class Node(models.Model):
     @property
     def backend_names(self) -> list[str]:
         return [b["name"] for b in self.backends if b.get("available", True)]
+
+    def inventory_current(self, expected_run: str = "") -> bool:
+        """Whether the stored inventory comes from the agent's current run (`expected_run`, when
+        this process hosts that agent, else the run it registered); a row registered without a
+        run (an agent without the hardware worker) has nothing to wait for."""
+        run = expected_run or self.agent_run
+        return not run or self.inventory_run == run
 
     @classmethod
     def fresh(cls) -> models.QuerySet:

@@ -41,7 +41,9 @@ def instance_out(inst: ModelInstance) -> dict:
 def _refused(exc: LoadRefused) -> ApiError:
     detail = getattr(exc, "detail", None)  # does_not_fit: the numbers (needed, free, held by whom)
     message = exc.message if detail is None else f"{exc.message} {json.dumps(detail)}"
-    return ApiError(exc.status, message, code=exc.code)
+    error = ApiError(exc.status, message, code=exc.code)
+    error.retry_after = exc.retry_after  # node_starting: when to ask again
+    return error
 
 
 def _ref(request: HttpRequest, body: InstanceRef, action: str) -> ModelInstance:

@@ -22,6 +22,7 @@ from pathlib import Path, PurePosixPath
 from django.conf import settings
 
 from hardware.models import GpuDevice, Node
+from hardware.services import wait_for_inventory
 from hub import layout
 from hub.models import ModelArtifact
 from hub.services import HubInputError, LoadSource, check_load_path
@@ -60,11 +61,13 @@ CTX_FLAGS = ("--ctx-size", "--n_ctx", "--max-model-len")
 class LoadRefused(Exception):
     """A request that cannot be done; `status` is the HTTP status the API answers with."""
 
-    def __init__(self, status: int, message: str, code: str = "invalid_request") -> None:
+    def __init__(self, status: int, message: str, code: str = "invalid_request", *,
+                 retry_after: int | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.code = code
+        self.retry_after = retry_after  # seconds, sent as Retry-After (a node still starting)
 
 
 # ---------------------------------------------------------------- model source
@@ -388,6 +391,11 @@ def plan_load(*, model_path: str, model_name: str | None = None, server_type: st
 def _plan_on(target: Node, *, model_path: str, model_name: str | None, server_type: str, backend: str | None,
              gpus: list[int] | None, tensor_parallel_size: int | None, extra_args: dict | None) -> LoadPlan:
     """The plan for one node; raises LoadRefused."""
+    current = wait_for_inventory(target, timeout_s=settings.INVENTORY_WAIT_S)
+    if current is None:  # the agent restarted and its probe has not replaced the last run's inventory
+        raise LoadRefused(503, f"node {target.name}'s agent has just started and has not saved its hardware and "
+                               "backends yet; try again in a few seconds", code="node_starting", retry_after=5)
+    target = current
     if not target.detector and not target.backends:
         raise LoadRefused(409, f"node {target.name} has not reported its hardware and backends yet (its agent is "
                                "still starting); try again in a few seconds", code="node_not_ready")

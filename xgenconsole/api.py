@@ -83,7 +83,10 @@ def on_authz_error(request: HttpRequest, exc: AuthorizationError):
 @api.exception_handler(HttpError)
 def on_http_error(request: HttpRequest, exc: HttpError):
     if isinstance(exc, ApiError):
-        return json_error(exc.status_code, exc.message, code=exc.code, type=exc.type)
+        response = json_error(exc.status_code, exc.message, code=exc.code, type=exc.type)
+        if getattr(exc, "retry_after", None):
+            response["Retry-After"] = str(exc.retry_after)
+        return response
     return json_error(exc.status_code, str(exc), code=None)
 
 

@@ -39,6 +39,8 @@ HEARTBEAT_INTERVAL_S = env_int("XGEN_HEARTBEAT_INTERVAL", 5, minimum=1)
 NODE_STALE_AFTER_S = env_int("XGEN_NODE_STALE_AFTER", 20, minimum=2)
 NODE_OFFLINE_AFTER_S = env_int("XGEN_NODE_OFFLINE_AFTER", 60, minimum=3)
 HARDWARE_REFRESH_S = env_int("XGEN_HARDWARE_REFRESH", 10, minimum=1)
+# How long a load waits for a just-restarted agent's fresh inventory before 503 node_starting.
+INVENTORY_WAIT_S = env_int("XGEN_INVENTORY_WAIT_S", 5, minimum=0)
 
 # Backends: ports handed out to model servers, and how long a load may take.
 BACKEND_PORT_MIN = env_int("XGEN_BACKEND_PORT_MIN", 18000, minimum=1024, maximum=65535)

@@ -15,6 +15,7 @@ from django.views.decorators.csrf import csrf_exempt
 from accounts.errors import json_error
 from accounts.query import InvalidQueryParam
 from hardware.models import Node
+from hardware.services import local_inventory_pending
 from live.db import run_db
 
 log = logging.getLogger(__name__)
@@ -48,13 +49,15 @@ async def _database_reasons() -> tuple[list[str] | None, list[str]]:
         async with asyncio.timeout(READY_CHECK_TIMEOUT_S):
             nodes = await run_db(_fresh_node_names)
             loading = await run_db(_autostart_loading)
+            probing = await run_db(local_inventory_pending)
     except TimeoutError:
         log.warning("readyz: the database did not answer within %.0f s", READY_CHECK_TIMEOUT_S)
         return None, ["database did not answer in time"]
     except Exception:  # any driver error means not ready
         log.warning("readyz: the database check failed", exc_info=True)
         return None, ["database unavailable"]
-    return nodes, [f"autostart models still loading: {', '.join(loading[:10])}"] if loading else []
+    reasons = [f"node agent {name} has not saved its first inventory yet" for name in probing]
+    return nodes, reasons + ([f"autostart models still loading: {', '.join(loading[:10])}"] if loading else [])
 
 
 async def _channel_layer_reasons() -> list[str]:
@@ -85,7 +88,8 @@ async def _channel_layer_reasons() -> list[str]:
 
 @login_not_required
 async def readyz(request: HttpRequest) -> JsonResponse:
-    """Ready = the database and the channel layer answer and a node agent heartbeats.
+    """Ready = the database and the channel layer answer, a node agent heartbeats, and the agent
+    this process runs (if any) has saved its first inventory (a load would wait for it).
 
     Anyone may ask (load balancers do), so the reasons name what is wrong, never the driver's
     text (hosts, users, paths): that goes to the log. Each check is bounded: a probe that hangs

@@ -12,13 +12,14 @@ import contextlib
 import fcntl
 import logging
 import os
+import uuid
 from pathlib import Path
 
 from channels.layers import get_channel_layer
 from django.conf import settings
 
 from hardware.inventory import InventoryWorker
-from hardware.services import record_heartbeat, register_node
+from hardware.services import LOCAL_AGENT_RUNS, record_heartbeat, register_node
 from history.worker import DownsampleWorker
 from hub.worker import HubWorker
 from live.db import DatabaseUnavailable, run_db
@@ -56,6 +57,9 @@ class NodeAgent:
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self.started = asyncio.Event()
+        # This run's id: the node's inventory is stale until this run saves one. An agent without
+        # the hardware worker saves none, so it registers without one (nothing waits for it).
+        self.run_id = uuid.uuid4().hex if any(w.name == "hardware" for w in self.workers) else ""
 
     def acquire_lock(self) -> None:
         """A file lock makes the agent a singleton per node (per data dir)."""
@@ -82,6 +86,8 @@ class NodeAgent:
     async def run(self, stop: asyncio.Event) -> None:
         """Run until `stop` is set, then shut down what the agent owns."""
         self.acquire_lock()
+        if self.run_id:
+            LOCAL_AGENT_RUNS[self.name] = self.run_id  # before it registers: no load reads the last run's inventory
         try:
             await self.start()
             self.started.set()
@@ -95,10 +101,12 @@ class NodeAgent:
                 task.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
             await self.shutdown()
+            if LOCAL_AGENT_RUNS.get(self.name) == self.run_id:
+                LOCAL_AGENT_RUNS.pop(self.name, None)
             self.release_lock()
 
     async def start(self) -> None:
-        await run_db(register_node, name=self.name, address=self.address)
+        await run_db(register_node, name=self.name, address=self.address, run=self.run_id)
         log.info("node agent %s registered (address %s, pid %s)", self.name, self.address, os.getpid())
         for worker in self.workers:
             await worker.start(self)
