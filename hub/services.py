@@ -441,7 +441,7 @@ def after_failed_write(prefix: str, *, store: ModelStore) -> None:
     with no manifest is removed, and the index row follows the store. When the store cannot be
     read (the usual reason for the failure) the row is marked incomplete."""
     try:
-        if not store.exists(prefix):
+        if not store.exists(prefix) and not store.staged_switches(prefix):  # a switch cut short is finished later
             store.delete_model(prefix)
         index_prefix(prefix, store=store)
     except Exception as exc:
@@ -517,11 +517,26 @@ def busy_prefixes() -> set[str]:
     return {prefix for prefix, holder in PrefixLock.objects.values_list("prefix", "holder") if _holder_alive(holder)}
 
 
+def finish_interrupted_switches(*, store: ModelStore | None = None) -> list[str]:
+    """Finish the replaces whose every file was written but whose switch was cut short (the store
+    went away mid-copy on S3, a `kill -9` between two renames) and index them; the agent runs it at
+    start and with each index refresh. Returns the prefixes switched."""
+    store = store or get_store()
+    switched = store.finish_switches(busy=busy_prefixes)
+    for prefix in switched:
+        log.warning("finished the switch of %s to the version a cut-short write had put in the store", prefix)
+        index_prefix(prefix, store=store)
+    return switched
+
+
 def sweep_store(*, store: ModelStore | None = None) -> list[str]:
     """Remove what writes that died left in the store (a `kill -9` mid-upload: staging areas,
-    `*.xgen-part` files, incomplete multipart uploads), sparing every model a writer holds now.
-    The agent runs it at start, after ending the jobs its last run left."""
-    removed = (store or get_store()).sweep(busy=busy_prefixes)
+    `*.xgen-part` files, incomplete multipart uploads), sparing every model a writer holds now,
+    once the switches that can be finished are (`finish_interrupted_switches`). The agent runs it
+    at start, after ending the jobs its last run left."""
+    store = store or get_store()
+    finish_interrupted_switches(store=store)
+    removed = store.sweep(busy=busy_prefixes)
     if removed:
         log.warning("removed %d leftover(s) of interrupted writes from the store: %s", len(removed),
                     ", ".join(removed[:5]) + (" ..." if len(removed) > 5 else ""))

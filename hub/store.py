@@ -393,6 +393,7 @@ class ModelStore(ABC):
                     progress(done, total)
 
         staging = staging_prefix(prefix)
+        ready = switched = False
         try:
             entries: list[ManifestFile] = []
             for f in files:
@@ -410,12 +411,22 @@ class ModelStore(ABC):
                                       "its manifest was not written; upload it again, or replace it.")
             manifest = Manifest(prefix=prefix, format=prefix.split("/", 1)[0], files=entries,
                                 created_at=timezone.now().isoformat(), source=source or {})
-            return self.switch_to_staged(staging, manifest)
+            # Ready to switch: a switch cut short from here on is finished later (`finish_switches`),
+            # never undone, so the store keeps one complete version of the model or the other.
+            self.put_bytes(f"{staging}/{MANIFEST_NAME}", manifest.to_json())
+            ready = True
+            manifest = self.switch_to_staged(staging, manifest)
+            switched = True
+            for other, _ in self.staged_switches(prefix):  # older cut-short switches: this one is newer
+                if other != staging:
+                    self.drop_staging(other)
+            return manifest
         finally:
-            try:
-                self.drop_staging(staging)
-            except Exception as exc:  # never hides the write's own outcome; the next sweep removes it
-                log.warning("could not remove the staging area %s: %s", staging, exc)
+            if switched or not ready:
+                try:
+                    self.drop_staging(staging)
+                except Exception as exc:  # never hides the write's own outcome; the next sweep removes it
+                    log.warning("could not remove the staging area %s: %s", staging, exc)
 
     # ---- writing beside the model, then switching (issue 34 #10)
     def check_room(self, prefix: str, need: int) -> None:
@@ -448,6 +459,37 @@ class ModelStore(ABC):
     def copy_key(self, src: str, dest: str, *, size: int) -> StoreObject:
         """Copy one object to another key inside the store (stores without a rename)."""
         raise NotImplementedError
+
+    def staged_switches(self, prefix: str | None = None) -> list[tuple[str, Manifest]]:
+        """(staging prefix, manifest) of writes that wrote every file and their manifest and were cut
+        short in their switch (the store went away mid-copy, a `kill -9`), oldest first."""
+        found = []
+        for obj in self.iter_objects(STAGING_ROOT + "/"):
+            target = _staged_prefix(obj.key)
+            staging = obj.key[: -len(MANIFEST_NAME) - 1]
+            if target is None or (prefix and target != prefix) or staging.count("/") != 3 \
+                    or not obj.key.endswith("/" + MANIFEST_NAME):
+                continue
+            try:
+                manifest = Manifest.from_json(self.get_bytes(obj.key))
+            except (ObjectMissing, ValueError, KeyError, InvalidPrefix):
+                continue
+            if manifest.prefix == target:
+                found.append((staging, manifest))
+        return sorted(found, key=lambda item: item[1].created_at)
+
+    def finish_switches(self, *, busy: Callable[[], set[str]]) -> list[str]:
+        """Finish the switches cut short (`staged_switches`) of models no writer holds now (the
+        newest write of each wins); returns the prefixes switched."""
+        pending = self.staged_switches()
+        held = busy() if pending else set()
+        newest = {manifest.prefix: (staging, manifest) for staging, manifest in pending if manifest.prefix not in held}
+        for staging, manifest in newest.values():
+            self.switch_to_staged(staging, manifest)
+        for staging, manifest in pending:
+            if manifest.prefix in newest:
+                self.drop_staging(staging)
+        return sorted(newest)
 
     def drop_staging(self, staging: str) -> None:
         """Remove what a write left under its staging prefix (nothing, once switched)."""
@@ -794,7 +836,6 @@ class FilesystemModelStore(ModelStore):
 
     def switch_to_staged(self, staging: str, manifest: Manifest) -> Manifest:
         """Two renames on one disk: the old folder out of the way, the new one in; then the old removed."""
-        self.put_bytes(f"{staging}/{MANIFEST_NAME}", manifest.to_json())
         new, dest = self._path(staging), self._path(manifest.prefix)
         old = new.parent.parent.parent / f"{new.parent.parent.name}.old"  # .xgen-staging/<token>.old
         dest.parent.mkdir(parents=True, exist_ok=True)

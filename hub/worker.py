@@ -92,6 +92,7 @@ class HubWorker:
             if loop.time() >= next_refresh:
                 next_refresh = loop.time() + INDEX_REFRESH_S
                 try:
+                    await run_db(services.finish_interrupted_switches)
                     await run_db(services.refresh_index)
                 except Exception:
                     log.warning("store index refresh failed", exc_info=True)

@@ -3,6 +3,7 @@ model stays listed, complete and loadable; a cancel or a failure leaves it as it
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -92,3 +93,42 @@ def test_a_completed_replace_switches_to_the_new_files_only(store, tmp_path, set
     row = ModelArtifact.objects.get(prefix="gguf/okfile")
     assert row.complete and row.size_bytes == 600_008
     assert [o.key for o in store.iter_objects(".xgen-staging/")] == []
+
+
+def test_a_switch_cut_short_by_the_store_is_finished_once_it_is_back(hub_dirs, counting_s3, s3):
+    """On S3 the switch is a server-side copy per file: the store going away in the middle of it
+    loses neither version; once it is back the agent finishes the switch (at start, and with each
+    index refresh) and the new version is complete."""
+    from tests.hub.conftest import minio_store_for
+
+    store, direct = minio_store_for(counting_s3.endpoint), minio_store_for(s3)
+    _old_model(store, tmp_path := hub_dirs)
+    counting_s3.reset()
+    out: dict = {}
+
+    def write() -> None:
+        try:
+            services.write_model("gguf/okfile", make_model_dir(tmp_path / "v2", NEW), store=store, replace=True)
+        except Exception as exc:  # noqa: BLE001 - handed to the test
+            out["error"] = exc
+
+    counting_s3.put_delay = 0.3
+    writer = threading.Thread(target=write)
+    writer.start()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not any(
+            method == "PUT" and path.endswith("/gguf/okfile/.xgen-manifest.json") and ".xgen-staging" in path
+            for method, path in list(counting_s3.counts)):
+        time.sleep(0.01)
+    counting_s3.dead = True  # every file and the staged manifest are in: the store goes away mid-switch
+    writer.join(120)
+    assert "error" in out, "the write should have failed with the store gone"
+    assert len(direct.staged_switches("gguf/okfile")) == 1, out  # kept
+    counting_s3.dead = False
+    counting_s3.put_delay = 0
+    assert services.finish_interrupted_switches(store=store) == ["gguf/okfile"]
+    manifest = direct.read_manifest("gguf/okfile")
+    assert sorted(f.path for f in manifest.files) == ["extra.gguf", "okfile.gguf"]
+    assert direct.get_bytes("gguf/okfile/okfile.gguf") == NEW["okfile.gguf"]
+    assert ModelArtifact.objects.get(prefix="gguf/okfile").complete
+    assert list(direct.iter_objects(".xgen-staging/")) == []
