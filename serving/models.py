@@ -126,6 +126,9 @@ class ModelInstance(models.Model):
     port = models.IntegerField(null=True, blank=True)
     pid = models.IntegerField(null=True, blank=True)
     pgid = models.IntegerField(null=True, blank=True)
+    # The running backend's secret (a bearer token made at each launch): read by the agent (health,
+    # warm-up, adoption) and the proxy's routing table only; never in an API answer, a page or a log.
+    backend_key = models.CharField(max_length=128, blank=True, default="", editable=False)
     exit_code = models.IntegerField(null=True, blank=True)
     restarts = models.IntegerField(default=0)
     restart_requested = models.BooleanField(default=False, help_text="an operator asked for a restart")
@@ -235,6 +238,7 @@ class ModelInstance(models.Model):
                 if row.pid:
                     row.stopped_at = now
                 row.pid = row.pgid = None
+                row.backend_key = ""
                 row.progress_pct = None
             row.state = to_state
             row.state_message = message[:500]
@@ -280,9 +284,12 @@ class ModelInstance(models.Model):
         _announce(self, None, progress_only=True)
         return True
 
-    def mark_loading(self, *, pid: int, pgid: int, port: int, gpus: list[int], message: str) -> ModelInstance:
-        """The backend process runs (pid, its group, its port, the GPUs it holds); the model loads."""
+    def mark_loading(self, *, pid: int, pgid: int, port: int, gpus: list[int], message: str,
+                     backend_key: str = "") -> ModelInstance:
+        """The backend process runs (pid, its group, its port, the GPUs it holds, the secret it
+        requires); the model loads."""
         return self._move(InstanceState.LOADING, message, pid=pid, pgid=pgid, port=port, gpus=list(gpus),
+                          backend_key=backend_key,
                           started_at=timezone.now(), exit_code=None, progress_pct=None, log_tail=[], ready_at=None)
 
     def mark_warming(self) -> ModelInstance:
@@ -339,8 +346,9 @@ class ModelInstance(models.Model):
 
     def forget_process(self) -> None:
         """A pid recorded on a row that is no longer active (its backend is gone): clear it."""
-        type(self).objects.filter(pk=self.pk).update(pid=None, pgid=None)
+        type(self).objects.filter(pk=self.pk).update(pid=None, pgid=None, backend_key="")
         self.pid = self.pgid = None
+        self.backend_key = ""
 
 
 def _minutes(seconds: float) -> str:

@@ -50,11 +50,13 @@ from serving.selection import (
 
 MODEL_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
 PREFIX_RE = re.compile(r"^(gguf|huggingface)/[A-Za-z0-9][A-Za-z0-9._-]{0,200}(/[A-Za-z0-9][A-Za-z0-9._-]{0,200})*$")
-# argv items the agent fills in at launch: the port it picks, the model's local path, its Python.
+# argv items the agent fills in at launch: the port it picks, the model's local path, its Python,
+# and the file holding the backend's secret (made at each launch; never in the plan or the argv).
 PORT_SLOT = "{port}"
 MODEL_SLOT = "{model}"
 PYTHON_SLOT = "{python}"
-SLOTS = (PORT_SLOT, MODEL_SLOT, PYTHON_SLOT)
+KEY_FILE_SLOT = "{api_key_file}"
+SLOTS = (PORT_SLOT, MODEL_SLOT, PYTHON_SLOT, KEY_FILE_SLOT)
 CTX_FLAGS = ("--ctx-size", "--n_ctx", "--max-model-len")
 
 
@@ -170,7 +172,7 @@ class LaunchPlan:
     gpu_type: str  # the node's GPU type (NVIDIA, AMD_CDNA, AMD_RDNA), "" on a node without GPUs
     gpus: tuple[int, ...]
     tensor_parallel_size: int
-    argv: tuple[str, ...]  # with PORT_SLOT, MODEL_SLOT (and PYTHON_SLOT) where the agent fills them in
+    argv: tuple[str, ...]  # with PORT_SLOT, MODEL_SLOT (PYTHON_SLOT, KEY_FILE_SLOT) where the agent fills them in
     env: dict[str, str] = field(default_factory=dict)  # added to the allowlisted environment
     host: str = "127.0.0.1"
     estimate_mib: int = 0
@@ -197,10 +199,11 @@ class LaunchPlan:
         return None
 
     def command(self, *, port: int | None = None, model: str | Path | None = None,
-                python: str | None = None) -> list[str]:
-        """The argv, with the port, the model path and the interpreter filled in where they are known."""
+                python: str | None = None, key_file: str | Path | None = None) -> list[str]:
+        """The argv, with the port, the model path, the interpreter and the secret's file filled in
+        where they are known."""
         fill = {PORT_SLOT: None if port is None else str(port), MODEL_SLOT: None if model is None else str(model),
-                PYTHON_SLOT: python}
+                PYTHON_SLOT: python, KEY_FILE_SLOT: None if key_file is None else str(key_file)}
         return [fill.get(item) or item for item in self.argv]
 
     def command_line(self, *, port: int | None = None, model: str | Path | None = None,
@@ -321,7 +324,7 @@ def make_launch_plan(*, node: Node, source: ModelSource, model_name: str, server
         model_file=Path(MODEL_SLOT), model_name=model_name, server_type=server_type, host=bind_host(node.address),
         port=PORT_SLOT, gpus=tuple(chosen), gpu_type=gpu_type, flavour=choice.flavour, version=choice.version,
         executable=choice.path, python=PYTHON_SLOT, tensor_parallel_size=tp, extra_args=extra,
-        extra_args_checked=True,
+        extra_args_checked=True, api_key_file=KEY_FILE_SLOT,
     )
     plan = LaunchPlan(
         model_name=model_name, server_type=server_type, model_path=source.model_path, format=source.fmt,

@@ -78,6 +78,7 @@ class LaunchSpec:
     tensor_parallel_size: int = 1
     extra_args: dict = field(default_factory=dict)
     extra_args_checked: bool = False  # already normalize_extra_args()'s output (the plan checks them once)
+    api_key_file: str = ""  # the file holding the instance's backend secret (or the plan's placeholder)
 
     @property
     def is_embedding(self) -> bool:
@@ -158,6 +159,16 @@ class BackendAdapter:
             return {"HIP_VISIBLE_DEVICES": ids}
         # A CPU placement must not grab a GPU by accident.
         return {"CUDA_VISIBLE_DEVICES": "", "HIP_VISIBLE_DEVICES": ""} if spec.gpu_type else {}
+
+    def key_argv(self, key_file: str) -> list[str]:
+        """The argv items that make the server require the secret in `key_file` ([]: it takes it
+        from the environment, see key_env). Never the secret itself: argv shows in `ps`."""
+        return []
+
+    def key_env(self, secret: str) -> dict[str, str]:
+        """The environment that makes the server require `secret` as a bearer token ({}: it reads
+        a file, see key_argv)."""
+        return {}
 
     def env_additions(self, spec: LaunchSpec) -> dict[str, str]:
         """What the backend's environment adds to the allowlisted base: offline, device visibility."""

@@ -50,6 +50,10 @@ class LlamaCppPythonServer(BackendAdapter):
             value = "true" if value else "false"
         return super()._check_value(flag, kind, value)
 
+    def key_env(self, secret: str) -> dict[str, str]:
+        # ServerSettings (pydantic-settings) reads `api_key` from API_KEY when --api_key is absent.
+        return {"API_KEY": secret}
+
     def build_command(self, spec: LaunchSpec) -> list[str]:
         cmd = [
             spec.python or sys.executable, "-m", "llama_cpp.server",

@@ -79,7 +79,13 @@ class LlamaServer(BackendAdapter):
             cmd += ["--embeddings", "--pooling", "mean"]
         elif spec.is_rerank:
             cmd += ["--reranking"]  # embeddings with rank pooling: /v1/rerank through the model's head
+        if spec.api_key_file:
+            cmd += self.key_argv(spec.api_key_file)
         extra = self.extra_argv(spec)
         if spec.gpus and "--n-gpu-layers" not in extra:
             cmd += ["-ngl", "999"]  # every layer on the held GPUs
         return cmd + extra
+
+    def key_argv(self, key_file: str) -> list[str]:
+        # Every route but /health, /v1/health and the web UI's assets then answers 401 without it.
+        return ["--api-key-file", key_file]

@@ -98,6 +98,11 @@ class VllmServer(BackendAdapter):
                                    "refuses it unless XGEN_ALLOW_TRUST_REMOTE_CODE=true")
         return checked
 
+    def key_env(self, secret: str) -> dict[str, str]:
+        # The OpenAI server takes --api-key or VLLM_API_KEY; the flag would show in `ps` and in
+        # its "non-default args" log line.
+        return {"VLLM_API_KEY": secret}
+
     def build_command(self, spec: LaunchSpec) -> list[str]:
         cmd = [
             spec.python or sys.executable, "-m", "vllm.entrypoints.openai.api_server",

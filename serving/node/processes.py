@@ -13,6 +13,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from django.conf import settings
+
 from hardware.process_memory import group_pids
 
 
@@ -67,6 +69,22 @@ async def spawn_backend(argv: Sequence[str], *, env: Mapping[str, str], log_path
             env=dict(env), cwd=str(log_path.parent), start_new_session=True,
         )
     return BackendProcess(pid=proc.pid, pgid=proc.pid, proc=proc)  # own session: pgid == pid
+
+
+def backend_key_file(instance_id: int) -> Path:
+    """Where a backend that reads its secret from a file (llama-server) finds it: the instance's
+    run folder in the data dir (never the log folder, which pages read)."""
+    return Path(settings.DATA_DIR) / "run" / "instances" / str(instance_id) / "api-key"
+
+
+def write_key_file(path: Path, secret: str) -> None:
+    """`secret` into `path`, readable by this user only (folder 0700, file 0600 from its creation)."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(path.parent, 0o700)
+    path.unlink(missing_ok=True)  # a file left by another user's umask or an older run: made afresh
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(secret + "\n")
 
 
 def describe_exit(code: int | None) -> str:

@@ -17,6 +17,7 @@ import contextlib
 import functools
 import logging
 import os
+import secrets
 import signal
 import sys
 import threading
@@ -47,16 +48,19 @@ from serving.models import (
 from serving.node.logs import TAIL_POLL_S, LogTailer, current_log, previous_log
 from serving.node.processes import (
     BackendProcess,
+    backend_key_file,
     describe_exit,
     listener_is_ours,
     pid_alive,
     proc_cmdline,
     spawn_backend,
     url_host,
+    write_key_file,
 )
 from serving.node.worker import AgentWorker
 from serving.placement import PlacementError, bind_host, pick_port
 from serving.planning import (
+    KEY_FILE_SLOT,
     LaunchPlan,
     LoadRefused,
     check_load_path_or_refuse,
@@ -132,6 +136,12 @@ class BackendRun:
     stopper: asyncio.Task | None = None
     did_not_come_up: str = ""  # why the last start failed (exited, never healthy, warm-up), with its last line
     pids: list[int] = field(default_factory=list)  # the group's processes when last measured
+    secret: str = field(default="", repr=False)  # the bearer token the backend requires (made at launch)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """What the agent's own requests to the backend carry (health, warm-up, adoption)."""
+        return {"Authorization": f"Bearer {self.secret}"} if self.secret else {}
 
     def last_lines(self, n: int = 12) -> str:
         return self.tailer.last_lines(n) if self.tailer else ""
@@ -345,8 +355,14 @@ class Supervisor(AgentWorker):
             run.adapter, run.host = get_adapter(plan.backend), plan.host
             model_file = await self._resolve_model(run, plan)
             port = await self._pick_port(inst)
-            argv = plan.command(port=port, model=model_file, python=sys.executable)
-            env = backend_environment(plan.env, os.environ)
+            # A new secret per launch: the backend answers no one who does not send it.
+            secret, key_file = secrets.token_urlsafe(32), backend_key_file(inst.pk)
+            argv = plan.command(port=port, model=model_file, python=sys.executable, key_file=key_file)
+            if KEY_FILE_SLOT not in plan.argv:  # a plan stored before backends had secrets
+                argv += run.adapter.key_argv(str(key_file))
+            env = backend_environment({**plan.env, **run.adapter.key_env(secret)}, os.environ)
+            if str(key_file) in argv:
+                await asyncio.to_thread(write_key_file, key_file, secret)
         except (LoadFailed, LoadRefused) as exc:
             message = exc.message if isinstance(exc, LoadRefused) else str(exc)
             await db_mark(run.instance_id, ModelInstance.mark_error, message, last_error=message)
@@ -356,17 +372,21 @@ class Supervisor(AgentWorker):
         except Exception as exc:  # a bad row (e.g. an unknown backend) is an ERROR, not a crash loop
             await db_mark(run.instance_id, ModelInstance.mark_error, f"cannot start: {exc}", last_error=str(exc))
             return LOAD_FAILED
-        run.port = port
+        run.port, run.secret = port, secret
         await self._wait_for_evictions(run.instance_id)
         log_path = current_log(run.instance_id)
         run.process = await spawn_backend(argv, env=env, log_path=log_path,
                                           previous_log=previous_log(run.instance_id))
         run.adopted = False
         await db_mark(run.instance_id, ModelInstance.mark_loading, pid=run.process.pid, pgid=run.process.pgid,
-                      port=port, gpus=list(plan.gpus), message=f"starting {plan.backend} on port {port}")
+                      port=port, gpus=list(plan.gpus), message=f"starting {plan.backend} on port {port}",
+                      backend_key=secret)
         self._start_tailer(run, log_path, from_start=True)
         timeout = run.adapter.load_timeout_s()
-        verdict = await self._wait_healthy(run, timeout)
+        try:
+            verdict = await self._wait_healthy(run, timeout)
+        finally:  # read at its start; the row keeps the secret for the proxy and the next agent
+            key_file.unlink(missing_ok=True)
         if verdict != "ok":
             return await self._failed_load(run, verdict)
         await db_mark(run.instance_id, ModelInstance.mark_warming)
@@ -507,7 +527,7 @@ class Supervisor(AgentWorker):
             if run.exited():
                 return "exited"
             try:
-                r = await self.http.get(url, timeout=2.0)
+                r = await self.http.get(url, timeout=2.0, headers=run.headers)
                 if r.status_code == 200 and await asyncio.to_thread(listener_is_ours, run.process.pgid, run.port):
                     return "ok"
             except httpx.HTTPError:
@@ -525,7 +545,7 @@ class Supervisor(AgentWorker):
         path, body = run.adapter.warmup_request(run.plan)
         try:
             r = await self.http.post(f"http://{url_host(run.host)}:{run.port}{path}", json=body,
-                                     timeout=WARMUP_TIMEOUT_S)
+                                     timeout=WARMUP_TIMEOUT_S, headers=run.headers)
         except httpx.HTTPError as exc:
             return f"the warm-up request to {path} failed: {exc.__class__.__name__}"
         if r.status_code != 200:
@@ -655,12 +675,12 @@ class Supervisor(AgentWorker):
             adapter = get_adapter(plan.backend if plan else inst.backend)
             run = BackendRun(instance_id=inst.pk, adapter=adapter, plan=plan, port=inst.port,
                              host=plan.host if plan else bind_host(inst.node.address),
-                             process=BackendProcess(pid=pid, pgid=pgid), adopted=True)
+                             process=BackendProcess(pid=pid, pgid=pgid), adopted=True, secret=inst.backend_key)
             healthy = False
             if inst.state == InstanceState.READY:
                 try:
                     r = await self.http.get(f"http://{url_host(run.host)}:{inst.port}{adapter.health_path}",
-                                            timeout=3.0)
+                                            timeout=3.0, headers=run.headers)
                     healthy = r.status_code == 200 and await asyncio.to_thread(listener_is_ours, pgid, inst.port)
                 except httpx.HTTPError:
                     healthy = False

@@ -48,10 +48,16 @@ class Backend:
     down_until: float = 0.0
     policy: str = "always"
     max_concurrency: int | None = None
+    secret: str = field(default="", repr=False)  # the bearer token the backend requires (its instance's row)
 
     @property
     def key(self) -> tuple[int, str]:
         return (self.instance_id, self.base_url)
+
+    @property
+    def auth_header(self) -> bytes:
+        """The request header line that lets the console through to the backend (b"" without a secret)."""
+        return b"authorization: Bearer %s\r\n" % self.secret.encode("latin-1") if self.secret else b""
 
     def mark_down(self) -> None:
         self.down_until = time.monotonic() + DOWN_S
@@ -105,7 +111,7 @@ def _read_rows() -> tuple[list[dict], set[str], list[dict]]:
         ModelInstance.objects.filter(state=InstanceState.READY, node__in=fresh, port__isnull=False)
         .order_by("pk")
         .values("pk", "model_name", "aliases", "type", "backend", "port", "node__name", "node__address",
-                "ready_at", "created_at", "policy", "max_concurrency")
+                "ready_at", "created_at", "policy", "max_concurrency", "backend_key")
     )
     standby = list(
         ModelInstance.objects.filter(policy="on_demand", state__in=(*ACTIVE_STATES, InstanceState.IDLE))
@@ -235,6 +241,7 @@ class RoutingTable:
             backend.aliases = tuple(a for a in (row.get("aliases") or []) if isinstance(a, str))
             backend.policy = row.get("policy") or "always"
             backend.max_concurrency = row.get("max_concurrency")
+            backend.secret = row.get("backend_key") or ""  # a new one with each launch of the instance
             for alias in backend.aliases:
                 snap.aliases.setdefault(alias, backend.model_name)
             kept[key] = backend

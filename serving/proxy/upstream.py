@@ -32,6 +32,11 @@ DROP_REQUEST_HEADERS = frozenset({
 DROP_RESPONSE_HEADERS = frozenset({
     b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"proxy-connection", b"te",
     b"trailer", b"trailers", b"transfer-encoding", b"upgrade", b"date", b"server", b"x-request-id", b"set-cookie",
+    # A backend's CORS answer (llama-server and llama-cpp-python echo any Origin): the console's
+    # clients get none of it; every response header CORS defines.
+    b"access-control-allow-origin", b"access-control-allow-credentials", b"access-control-allow-methods",
+    b"access-control-allow-headers", b"access-control-expose-headers", b"access-control-max-age",
+    b"access-control-allow-private-network",
 })
 USAGE_RE = re.compile(rb'"(prompt_tokens|completion_tokens)"\s*:\s*(\d+)')
 USAGE_TAIL = 4096  # usage sits at the end of a JSON answer and in a stream's last chunks
@@ -313,7 +318,7 @@ async def open_upstream(*, path: str, query: bytes, body: bytes, candidates: lis
         busy_mark = recorder.busy_start(backend.instance_id) if ctx is not None else 0.0
         started = time.perf_counter()
         try:
-            response = await session.post(backend.base_url, target, body, fwd)
+            response = await session.post(backend.base_url, target, body, fwd + backend.auth_header)
         except BaseException as exc:
             backend.in_flight -= 1
             if ctx is not None:

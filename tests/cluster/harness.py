@@ -176,6 +176,12 @@ def new_api_keys(cluster: Cluster, count: int, *, username: str = "admin") -> li
     return cluster.manage("shell", "-v", "0", "-c", code).stdout.split()
 
 
+def backend_secret(cluster: Cluster, instance_id: int) -> str:
+    """The instance's backend secret, as the database holds it (no API answer shows it)."""
+    code = f"from serving.models import ModelInstance as M; print(M.objects.get(pk={instance_id}).backend_key)"
+    return cluster.manage("shell", "-v", "0", "-c", code).stdout.strip()
+
+
 def postgres_restart_command() -> list[str] | None:
     """How to restart the loopback PostgreSQL the tests use (Debian's pg_ctlcluster), or None."""
     import shutil

@@ -8,6 +8,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from tests.cluster.harness import backend_secret
+
 pytestmark = pytest.mark.cluster
 
 CHAT = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
@@ -53,7 +55,8 @@ def test_loads_on_both_nodes_and_requests_cross_web_processes(cluster, tiny_gguf
     assert ready_a["port"] and ready_b["port"]
     # Both agents share this host: each instance's port must be served by its own backend.
     for inst in (ready_a, ready_b):
-        listing = httpx.get(f"http://127.0.0.1:{inst['port']}/v1/models", timeout=10).json()
+        listing = httpx.get(f"http://127.0.0.1:{inst['port']}/v1/models", timeout=10,
+                            headers={"Authorization": f"Bearer {backend_secret(cluster, inst['id'])}"}).json()
         assert [m["id"] for m in listing["data"]] == [inst["model_name"]], (inst["port"], listing)
     # Web A reaches node B's backend and web B reaches node A's (the table refreshes within ~1 s).
     deadline = time.monotonic() + 10

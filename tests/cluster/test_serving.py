@@ -6,6 +6,7 @@ import time
 import httpx
 import pytest
 
+from tests.cluster.harness import backend_secret
 from tests.serving.conftest import backend_pids
 
 pytestmark = pytest.mark.cluster
@@ -36,10 +37,17 @@ def test_load_on_a_node_through_one_web_process_and_unload_through_another(clust
         assert (cluster.root / "node-a" / "cache" / "gguf" / "tiny-cluster").is_dir()
         assert not (cluster.root / "node-b" / "cache" / "gguf" / "tiny-cluster").exists()
         assert backend_pids("tiny-cluster", inst["port"]) == [inst["pid"]]
-        chat = httpx.post(f"http://127.0.0.1:{inst['port']}/v1/chat/completions", timeout=30,
-                          json={"model": "tiny-cluster", "messages": [{"role": "user", "content": "hi"}],
-                                "max_tokens": 2})
-        assert chat.status_code == 200
+        body_chat = {"model": "tiny-cluster", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        # The backend answers only with its secret; every web process reads it from the database.
+        direct = f"http://127.0.0.1:{inst['port']}/v1/chat/completions"
+        assert httpx.post(direct, timeout=30, json=body_chat).status_code == 401
+        secret = backend_secret(cluster, body["id"])
+        assert httpx.post(direct, timeout=30, json=body_chat,
+                          headers={"Authorization": f"Bearer {secret}"}).status_code == 200
+        for web in (a, b):
+            chat = web.post("/v1/chat/completions", json=body_chat, timeout=30)
+            assert chat.status_code == 200, chat.text
+            assert secret not in web.get(f"/api/management/instances/{body['id']}").text
         dup = a.post("/api/management/load", json={"model_path": "gguf/tiny-cluster", "node": "node-b",
                                                    "model_name": "tiny-cluster"})
         assert dup.status_code == 409 and json.loads(dup.text)["error"]["code"] == "duplicate_model_name"

@@ -201,3 +201,21 @@ def test_a_chat_template_inline_or_by_name_is_kept(backend, value):
     from serving.adapters import get_adapter
 
     assert get_adapter(backend).normalize_extra_args({"--chat-template": value}, "") == {"--chat-template": value}
+
+
+def test_each_backend_requires_the_instance_secret_never_seen_in_its_argv():
+    """llama-server reads it from a file named in argv, llama-cpp-python and vLLM from their
+    environment (their argv shows in `ps`, vLLM logs its non-default args)."""
+    secret = "s3cr3t-" + "k" * 40
+    server = get_adapter("llama-server")
+    argv = server.build_command(spec(model_file=GGUF, api_key_file="/data/run/instances/7/api-key"))
+    assert argv[argv.index("--api-key-file") + 1] == "/data/run/instances/7/api-key"
+    assert "--api-key-file" not in server.build_command(spec(model_file=GGUF)), "no file named, no flag"
+    assert server.key_env(secret) == {}
+    assert get_adapter("llama-cpp-python").key_env(secret) == {"API_KEY": secret}
+    assert get_adapter("vllm").key_env(secret) == {"VLLM_API_KEY": secret}
+    for name, adapter in ADAPTERS.items():
+        argv = adapter.build_command(spec(model_file=GGUF if name != "vllm" else MODEL_DIR, api_key_file="/k"))
+        assert secret not in " ".join(argv)
+        assert not {"--api-key", "--api_key", "--api-key-file"} & set(adapter.allowed_flags("")), \
+            f"{name}: no extra argument may set or replace the secret"

@@ -156,7 +156,8 @@ async def test_a_reranker_loads_on_real_llama_server_and_ranks(agent, tiny_reran
     inst = await wait_state(inst.pk, {InstanceState.READY, InstanceState.ERROR}, timeout=90)
     assert inst.state == InstanceState.READY, inst.last_error  # ready = /health, then a /v1/rerank warm-up
     assert inst.backend == "llama-server" and inst.type == "rerank"
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{inst.port}", timeout=30, trust_env=False) as client:
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{inst.port}", timeout=30, trust_env=False,
+                                 headers={"Authorization": f"Bearer {inst.backend_key}"}) as client:
         r = await client.post("/v1/rerank", json={"model": "tiny-rr", "query": "hello world",
                                                   "documents": ["the GPU", "hello world", "water"]})
     assert r.status_code == 200, r.text

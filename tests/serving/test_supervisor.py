@@ -39,7 +39,7 @@ async def test_load_chat_unload_leaves_nothing(agent, tiny_gguf, engine):
     assert inst.state == InstanceState.READY, inst.last_error
     assert [to for _, to in await sync_to_async(_events)(inst.pk)] == ["PENDING", "LOADING", "WARMING", "READY"]
     assert inst.pid and inst.pgid == inst.pid and inst.ready_at
-    async with httpx.AsyncClient(trust_env=False) as client:
+    async with httpx.AsyncClient(trust_env=False, headers={"Authorization": f"Bearer {inst.backend_key}"}) as client:
         r = await client.post(f"http://127.0.0.1:{inst.port}/v1/chat/completions", timeout=30,
                               json={"model": "tiny-chat", "messages": [{"role": "user", "content": "hello"}],
                                     "max_tokens": 4})
@@ -68,7 +68,7 @@ async def test_embedding_instance_answers_embeddings(agent, tiny_gguf, engine):
     inst = await sync_to_async(_load)(tiny_gguf, "tiny-embed", "embedding", backend=engine)
     inst = await wait_state(inst.pk, {InstanceState.READY, InstanceState.ERROR})
     assert inst.state == InstanceState.READY, inst.last_error
-    async with httpx.AsyncClient(trust_env=False) as client:
+    async with httpx.AsyncClient(trust_env=False, headers={"Authorization": f"Bearer {inst.backend_key}"}) as client:
         r = await client.post(f"http://127.0.0.1:{inst.port}/v1/embeddings", json={"model": "tiny-embed", "input": "x"})
     assert r.status_code == 200 and len(r.json()["data"][0]["embedding"]) == 64
 
