@@ -5,7 +5,10 @@ A node offers its agent's XGEN_NODE_MEMORY_MIB when set, else its GPUs' memory, 
 IDLE instances hold nothing. When a start does not fit, the node's unpinned on_demand READY
 instances are evicted, least recently used first, until it does: each is sent back to IDLE (its
 desired state; the node's supervisor stops it, as for an unload) with the reason in its timeline.
-`always` and pinned instances are never evicted.
+`always` and pinned instances are never evicted, and a start asked for by a request (a cold start:
+any key's, a viewer's too) never evicts a model used or started within XGEN_EVICT_GRACE_S (the
+proxy writes an instance with requests in flight as used every second), so one team's request
+cannot stop a model another team is using: it is refused 503 insufficient_capacity instead.
 
 Every start (a request's cold start, the Start button, a clicked load, a restart, an autostart)
 checks the fit with the best figure known for the instance's shape at that moment
@@ -16,7 +19,9 @@ timeline say which.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 
+from django.conf import settings
 from django.db.models import Sum
 from django.utils import timezone
 
@@ -108,8 +113,10 @@ def _last_used(inst: ModelInstance):
     return inst.last_request_at or inst.ready_at or inst.created_at
 
 
-def _evictable(inst: ModelInstance) -> bool:
-    return inst.policy == Policy.ON_DEMAND and not inst.pinned and inst.state == InstanceState.READY
+def _evictable(inst: ModelInstance, spare_since=None) -> bool:
+    """Whether a start may evict `inst`; `spare_since`: not if used (or started) since then."""
+    return inst.policy == Policy.ON_DEMAND and not inst.pinned and inst.state == InstanceState.READY \
+        and (spare_since is None or _last_used(inst) < spare_since)
 
 
 def _basis(need_mib: int, basis: str) -> str:
@@ -125,19 +132,21 @@ def fits_at_all(node: Node, need_mib: int, *, model_name: str, basis: str = "") 
 
 
 def make_room(node: Node, need_mib: int, *, model_name: str, exclude: int | None = None,
-              gpus: list[int] | None = None, basis: str = "") -> list[ModelInstance]:
+              gpus: list[int] | None = None, basis: str = "", spare_recent: bool = False) -> list[ModelInstance]:
     """Evict what must go for `need_mib` to fit on `node` (call it under the node's placement lock):
     on the GPUs the start will use (`gpus`: their free memory as the detector last saw it, the
     memory of each evicted instance given back to its GPUs), and within what the node offers to
     models. The evicted instances are returned (their desired state is IDLE now; nudge their
-    node). Raises NoRoom with the numbers (and `basis`: where `need_mib` came from)."""
+    node). Raises NoRoom with the numbers (and `basis`: where `need_mib` came from). `spare_recent`
+    (a cold start asked for by a request): models used or started within XGEN_EVICT_GRACE_S stay."""
     from serving.placement import gpu_rooms
 
     node = Node.objects.select_for_update().get(pk=node.pk)  # (PostgreSQL: locked already by placement_lock)
     if need_mib <= 0:
         return []
     held = holders(node, exclude=exclude)
-    candidates = sorted((i for i in held if _evictable(i)), key=_last_used)
+    spare_since = timezone.now() - timedelta(seconds=settings.EVICT_GRACE_S) if spare_recent else None
+    candidates = sorted((i for i in held if _evictable(i, spare_since)), key=_last_used)
     victims: list[ModelInstance] = []
     if gpus:
         rooms = {r.index: float(r.free_mib) for r in gpu_rooms(node, exclude_instance=exclude) if r.index in gpus}
@@ -149,7 +158,7 @@ def make_room(node: Node, need_mib: int, *, model_name: str, exclude: int | None
                 index = min(rooms, key=lambda i: rooms[i])
                 _refuse(node, model_name, need_mib, held, f"GPU {index} has {int(rooms[index])} MiB free, "
                                                           f"{int(per_gpu)} MiB needed there", free=int(rooms[index]),
-                        basis=basis)
+                        basis=basis, spare_since=spare_since)
             victims.append(victim)
             for idx in victim.gpus or []:
                 if idx in rooms:
@@ -166,7 +175,7 @@ def make_room(node: Node, need_mib: int, *, model_name: str, exclude: int | None
         if free < need_mib:
             base = offered - sum(i.memory_mib for i in held)
             _refuse(node, model_name, need_mib, held, f"{max(base, 0)} MiB free of {offered} MiB offered to models",
-                    free=max(base, 0), basis=basis)
+                    free=max(base, 0), basis=basis, spare_since=spare_since)
     now = timezone.now()
     for victim in victims:
         reason = f"evicted to make room for {model_name}"
@@ -188,9 +197,14 @@ def record_refusal(instance_id: int, exc: NoRoom) -> None:
 
 
 def _refuse(node: Node, model_name: str, need_mib: int, held: list[ModelInstance], where: str, *, free: int,
-            basis: str = "") -> None:
-    summary = [Holder(i.pk, i.model_name, i.memory_mib, _evictable(i)) for i in held]
-    who = ", ".join(f"{h.model_name} (instance {h.instance_id}) {h.mib} MiB"
-                    f"{'' if h.evictable else ' (pinned or always)'}" for h in summary) or "nothing"
+            basis: str = "", spare_since=None) -> None:
+    summary = [Holder(i.pk, i.model_name, i.memory_mib, _evictable(i, spare_since)) for i in held]
+
+    def why(inst: ModelInstance) -> str:
+        if _evictable(inst, spare_since):
+            return ""
+        return f" (in use within {settings.EVICT_GRACE_S} s)" if _evictable(inst) else " (pinned or always)"
+
+    who = ", ".join(f"{i.model_name} (instance {i.pk}) {i.memory_mib} MiB{why(i)}" for i in held) or "nothing"
     raise NoRoom(f"{model_name} needs {need_mib} MiB; {node.name} has {where} and nothing more can be evicted "
                  f"(held: {who}){_basis(need_mib, basis)}", need_mib=need_mib, free_mib=free, holders=summary)

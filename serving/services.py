@@ -206,10 +206,12 @@ def _record_load(plan, *, aliases: list[str], autostart: bool, user, start_now: 
     )
 
 
-def request_cold_start(*, instance_id: int, reason: str = "started by a request") -> ModelInstance:
+def request_cold_start(*, instance_id: int, reason: str = "started by a request",
+                       spare_recent: bool = True) -> ModelInstance:
     """Start an IDLE instance: room made on its node by eviction (NoRoom when none can be), desired
     RUNNING, PENDING, its node nudged. An instance that already left IDLE is returned as it is
-    (another request, here or in another web process, started it)."""
+    (another request, here or in another web process, started it). `spare_recent`: models used
+    within XGEN_EVICT_GRACE_S are not evicted (a request's start; the Start button may)."""
     node_id = ModelInstance.objects.filter(pk=instance_id).values_list("node_id", flat=True).first()
     if node_id is None:
         raise ModelInstance.DoesNotExist(f"no instance {instance_id}")
@@ -219,8 +221,8 @@ def request_cold_start(*, instance_id: int, reason: str = "started by a request"
             if inst.state != InstanceState.IDLE:
                 return inst
             ModelInstance.objects.filter(pk=inst.pk).update(desired_state=DesiredState.RUNNING)
-            victims = _checked_start(inst, reason, desired_state=DesiredState.RUNNING, last_error="", exit_code=None,
-                                     restarts=0)
+            victims = _checked_start(inst, reason, spare_recent=spare_recent, desired_state=DesiredState.RUNNING,
+                                     last_error="", exit_code=None, restarts=0)
     except NoRoom as exc:
         record_refusal(instance_id, exc)
         raise
@@ -230,14 +232,14 @@ def request_cold_start(*, instance_id: int, reason: str = "started by a request"
     return inst
 
 
-def _checked_start(inst: ModelInstance, reason: str, **fields) -> list[ModelInstance]:
+def _checked_start(inst: ModelInstance, reason: str, *, spare_recent: bool = False, **fields) -> list[ModelInstance]:
     """Under the node's placement lock: room made for `inst` with the best memory figure known now
     (capacity.start_memory: its own measurement, its shape's, else the estimate), then PENDING,
     the figure and where it came from in its timeline. Returns the evicted; raises NoRoom."""
     memory = start_memory(inst)
     planned = stored_plan(inst)
     victims = make_room(inst.node, memory.mib, model_name=inst.model_name, exclude=inst.pk,
-                        gpus=list(planned.gpus) if planned else None, basis=memory.basis)
+                        gpus=list(planned.gpus) if planned else None, basis=memory.basis, spare_recent=spare_recent)
     if memory.source == "shape":  # what it is booked at until its own measurement
         fields["estimated_memory_mib"] = memory.mib
     inst.mark_pending(f"{reason}; {memory.note}", **fields)
@@ -271,7 +273,7 @@ def request_start(*, instance: ModelInstance) -> ModelInstance:
     if instance.state != InstanceState.IDLE:
         raise LoadRefused(409, f"instance {instance.pk} is {instance.state}, not IDLE", code="not_idle")
     try:
-        return request_cold_start(instance_id=instance.pk, reason="start requested")
+        return request_cold_start(instance_id=instance.pk, reason="start requested", spare_recent=False)
     except NoRoom as exc:
         raise _no_room(exc) from None
 
