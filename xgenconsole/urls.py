@@ -5,6 +5,8 @@ from xgenconsole.api import api
 
 urlpatterns = [
     path("healthz", views.healthz, name="healthz"),
+    # The route llama-server and vLLM answer (benchmark clients such as guidellm check it first).
+    path("health", views.healthz, name="health"),
     path("readyz", views.readyz, name="readyz"),
     path("", include("accounts.urls")),
     path("api/", api.urls),

@@ -7,7 +7,7 @@ from django.urls import URLPattern, URLResolver, get_resolver
 
 from accounts.auth import ApiKeyAuth, SessionAuthWithCsrf
 
-PUBLIC_PAGES = {"/healthz", "/readyz", "/accounts/login/"}
+PUBLIC_PAGES = {"/health", "/healthz", "/readyz", "/accounts/login/"}
 MISSING_ID = "999999"
 # Routes added for 0.2 (issue 14) and the role each needs; the matrix fails if one goes missing.
 ADDED_PAGES = {("/usage/", None), ("/requests/", None), ("/audit/", "admin"), ("/keys/1/", "admin"),

@@ -20,6 +20,15 @@ def test_healthz_needs_no_auth(client):
     assert client.get("/healthz").json() == {"status": "ok"}
 
 
+@pytest.mark.django_db
+def test_health_answers_as_llama_server_does(client):
+    """guidellm (default settings) checks GET /health before a run, as engines answer it (issue 34 #22)."""
+    for headers in ({}, {"HTTP_AUTHORIZATION": "Bearer xgen_whatever"}):
+        response = client.get("/health", **headers)
+        assert response.status_code == 200 and response.json() == {"status": "ok"}
+        assert response["Content-Type"] == "application/json"
+
+
 @pytest.mark.django_db(transaction=True)
 async def test_readyz_says_database_unavailable_without_the_drivers_text(async_client, monkeypatch, caplog):
     """Anyone may call /readyz: the driver's message (paths, hosts, users) goes to the log only."""
