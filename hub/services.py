@@ -227,6 +227,8 @@ def prefix_locked(prefix: str, *, holder: str) -> Iterator[None]:
 
 
 # --------------------------------------------------------------------------- local paths an upload may read
+SECRET_FILE_VARS = ("XGEN_SECRET_KEY_FILE", "DATABASE_URL_FILE", "REDIS_URL_FILE", "MINIO_ACCESS_KEY_FILE",
+                    "MINIO_SECRET_KEY_FILE", "HF_TOKEN_PATH")
 def console_paths() -> list[tuple[str, Path]]:
     """(what, resolved path) of the console's own folders and database files: no upload reads these.
 
@@ -235,6 +237,8 @@ def console_paths() -> list[tuple[str, Path]]:
     """
     found = [("data dir (XGEN_DATA_DIR)", settings.DATA_DIR), ("store dir (XGEN_STORE_DIR)", settings.STORE_DIR),
              ("models dir (XGEN_MODELS_DIR)", settings.MODELS_DIR), ("log dir (XGEN_LOG_DIR)", settings.LOG_DIR)]
+    # Secrets read from files (xgenconsole.env.env_secret's NAME_FILE), wherever they are.
+    found += [(f"secret file ({name})", Path(os.environ[name])) for name in SECRET_FILE_VARS if os.environ.get(name)]
     for db in settings.DATABASES.values():
         if "sqlite" not in db.get("ENGINE", ""):
             continue

@@ -160,3 +160,13 @@ async def test_the_agent_checks_again_before_it_spawns(agent, serving_settings, 
     assert done.state == "ERROR" and done.pid is None
     assert "inside the console's data dir" in done.last_error and f"node {NODE}" in done.last_error
     assert SECRET.decode() not in done.last_error + "".join(done.log_tail or [])
+
+
+@pytest.mark.django_db
+def test_a_secret_read_from_a_file_is_refused_wherever_it_is(client, node, operator, imports, monkeypatch):
+    secret = imports / "db-url.gguf"  # e.g. a Docker secret mounted where models are
+    secret.write_bytes(SECRET)
+    monkeypatch.setenv("DATABASE_URL_FILE", str(secret))
+    _refused(_load(client, operator.key, secret), "secret file (DATABASE_URL_FILE)")
+    (imports / "link.gguf").symlink_to(secret)
+    _refused(_load(client, operator.key, imports / "link.gguf"), "secret file (DATABASE_URL_FILE)")
