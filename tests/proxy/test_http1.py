@@ -46,6 +46,8 @@ class Backend:
                     break
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
+        except asyncio.CancelledError:
+            pass  # the test's loop closing: ended quietly (3.11's start_server logs a cancelled handler)
         finally:
             writer.close()
 
@@ -188,16 +190,19 @@ async def test_garbage_is_broken(client):
         assert client.stats() == (0, 0)
 
 
-async def test_a_slow_reader_pauses_the_backend_instead_of_buffering(client):
-    size = 8 * http1.READ_HIGH
-
+def writes_as_fast_as_it_can(size: int):
+    """An answer of `size` bytes written 64 KiB at a time, each write waiting for the reader."""
     async def answer(request, writer):
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % size)
         for _ in range(size // 65536):
             writer.write(b"x" * 65536)
             await writer.drain()
+    return answer
 
-    async with Backend(answer) as backend:
+
+async def test_a_slow_reader_pauses_the_backend_instead_of_buffering(client):
+    size = 8 * http1.READ_HIGH
+    async with Backend(writes_as_fast_as_it_can(size)) as backend:
         response = await client.post(backend.url, "/x", b"", b"")
         # Nobody reads: the connection stops reading once READ_HIGH bytes wait (polled, not timed),
         # and what waits stays bounded while the backend would go on writing.
@@ -258,3 +263,313 @@ async def test_backend_connections_probe_a_silent_peer(client):
         assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == http1.TCP_IDLE_S
         assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL) == http1.TCP_INTERVAL_S
         await response.read()
+
+
+# ---------------------------------------------------------------- issue 23, item 1
+CHUNKED_WITH_TRAILER = (b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nTransfer-Encoding: chunked\r\n"
+                        b"Trailer: x-t\r\n\r\n2;ext=1\r\nhi\r\n0\r\nx-t: v\r\nx-u: w\r\n\r\n")
+
+
+async def test_trailers_never_become_the_next_answers_headers(client):
+    """Before: trailer fields were appended after the head's list was handed over, so the next
+    answer on the pooled connection began with them ([(b'x-t', b'v'), (b'content-length', ...)])."""
+    answers = iter([CHUNKED_WITH_TRAILER, JSON_OK])
+
+    async def answer(request, writer):
+        writer.write(next(answers))
+        await writer.drain()
+
+    async with Backend(answer) as backend:
+        first = await client.post(backend.url, "/x", b"", b"")
+        assert await first.read() == b"hi"
+        first.release()
+        second = await client.post(backend.url, "/x", b"", b"")
+        assert second.headers == [(b"content-type", b"application/json; charset=utf-8"), (b"content-length", b"11")]
+        assert await second.read() == b'{"ok":true}'
+        assert backend.connections == 1
+
+
+@pytest.mark.parametrize("head", [
+    b"HTTP/1.1 200 OK\r\nX-Big: " + b"a" * (70 * 1024) + b"\r\nContent-Length: 2\r\n\r\nok",  # one big field
+    b"HTTP/1.1 200 OK\r\n" + b"".join(b"X-%d: v\r\n" % i for i in range(101)) + b"Content-Length: 2\r\n\r\nok",
+])
+async def test_an_oversized_head_is_refused_and_its_connection_closed(client, head):
+    async with Backend(fixed(head)) as backend:
+        with pytest.raises(http1.Broken, match="head is over"):
+            await client.post(backend.url, "/x", b"", b"")
+        assert client.stats() == (0, 0)
+        # A head at the caps passes.
+        fields = b"".join(b"X-%d: v\r\n" % i for i in range(http1.MAX_HEADERS - 1))
+    async with Backend(fixed(b"HTTP/1.1 200 OK\r\n" + fields + b"Content-Length: 2\r\n\r\nok")) as backend:
+        response = await client.post(backend.url, "/x", b"", b"")
+        assert len(response.headers) == http1.MAX_HEADERS and await response.read() == b"ok"
+
+
+async def test_a_head_that_never_ends_is_refused_while_it_arrives(client):
+    """Header lines sent without end (read after read): refused once MAX_HEAD_BYTES came, not
+    buffered until the backend stops."""
+    sent = []
+
+    async def answer(request, writer):
+        writer.write(b"HTTP/1.1 200 OK\r\n")
+        for i in range(10_000):
+            writer.write(b"X-%d: %s\r\n" % (i, b"v" * 100))
+            sent.append(i)
+            await writer.drain()
+            await asyncio.sleep(0)
+        return "close"
+
+    async with Backend(answer) as backend:
+        with pytest.raises(http1.Broken, match="head is over"):
+            await asyncio.wait_for(client.post(backend.url, "/x", b"", b""), 10)
+        assert len(sent) < 10_000 and client.stats() == (0, 0)
+
+
+async def test_endless_interim_answers_are_refused(client):
+    async with Backend(fixed(b"HTTP/1.1 100 Continue\r\n\r\n" * 10_000)) as backend:
+        with pytest.raises(http1.Broken, match="head is over"):
+            await asyncio.wait_for(client.post(backend.url, "/x", b"", b""), 10)
+
+
+async def test_endless_trailers_are_refused(client):
+    async def answer(request, writer):
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nhi\r\n0\r\nX-T: ")
+        for _ in range(200):
+            writer.write(b"v" * 1024)
+            await writer.drain()
+            await asyncio.sleep(0)
+        return "close"
+
+    async with Backend(answer) as backend:
+        response = await client.post(backend.url, "/x", b"", b"")
+        with pytest.raises(http1.Broken, match="without any of the body"):
+            await asyncio.wait_for(response.read(), 10)
+
+
+async def test_pools_are_dropped_once_they_hold_no_connection(client, monkeypatch):
+    """Before: one pool per address ever seen stayed in Client._pools for the process's life."""
+    monkeypatch.setattr(http1, "KEEPALIVE_S", 0.2)
+    async with Backend(fixed(JSON_OK)) as one, Backend(fixed(JSON_OK)) as two, \
+            Backend(fixed(JSON_OK.replace(b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n", 1))) as closing:
+        for backend in (one, two, closing):
+            response = await client.post(backend.url, "/x", b"", b"")
+            await response.read()
+            response.release()
+        assert sorted(client._pools) == sorted([one.url, two.url])  # the closed one's pool went with it
+        url = one.url
+        await asyncio.sleep(0.5)  # past the keep-alive: idle connections closed, their pools dropped
+        assert client._pools == {} and client.stats() == (0, 0)
+    with pytest.raises(http1.ConnectFailed):
+        await client.post(url, "/x", b"", b"")
+    assert client._pools == {}
+
+
+async def test_headers_named_in_connection_are_not_the_clients(client):
+    answer = (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: keep-alive, X-Hop,\r\n"
+              b"X-Kept: 1\r\nx-hop: secret\r\nConnection: Cache-Control\r\nCache-Control: private\r\n"
+              b"Keep-Alive: timeout=5\r\nContent-Length: 2\r\n\r\n{}")
+    async with Backend(fixed(answer)) as backend:
+        response = await client.post(backend.url, "/x", b"", b"")
+        names = [name for name, _ in response.headers]
+        assert names == [b"content-type", b"connection", b"x-kept", b"connection", b"content-length"]
+        assert await response.read() == b"{}" and response.keep_alive
+
+
+async def test_an_early_answer_leaves_its_connection_out_of_the_pool(client):
+    """A backend answering (413) before it read the body: the rest of the body may still be in
+    the client's write buffer; reused, those bytes would reach the backend as the next request."""
+    big = b"x" * (32 << 20)
+
+    async def answer(request, writer):
+        writer.write(b"HTTP/1.1 413 Payload Too Large\r\nContent-Length: 2\r\n\r\nno")
+        await writer.drain()
+        await asyncio.sleep(1)
+
+    async def head_only(reader, writer):
+        await reader.readuntil(b"\r\n\r\n")
+        await answer(b"", writer)
+        writer.close()
+
+    server = await asyncio.start_server(head_only, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    try:
+        response = await client.post(url, "/x", big, b"")
+        assert response.status == 413 and await response.read() == b"no"
+        response.release()
+        assert client.stats() == (0, 0)
+    finally:
+        server.close()
+
+
+# ---------------------------------------------------------------- issue 23: waits after the connect
+@pytest.fixture
+async def waits(monkeypatch):
+    """`waits(first_byte_s=, idle_s=)`: a client with those waits, checked every 50 ms (closed after)."""
+    monkeypatch.setattr(http1, "TICK_S", 0.05)
+    made: list[http1.Client] = []
+
+    def make(*, first_byte_s: float, idle_s: float) -> http1.Client:
+        made.append(http1.Client(connect_timeout_s=2, first_byte_timeout_s=first_byte_s, idle_timeout_s=idle_s))
+        return made[-1]
+
+    yield make
+    for client in made:
+        await client.close()
+
+
+async def test_a_backend_silent_after_the_request_is_a_first_byte_timeout(waits):
+    client = waits(first_byte_s=0.3, idle_s=5)
+
+    async def answer(request, writer):
+        await asyncio.sleep(5)
+
+    async with Backend(answer) as backend:
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(http1.FirstByteTimeout, match="0.3 s"):
+            await client.post(backend.url, "/x", b"", b"")
+        assert asyncio.get_running_loop().time() - started < 4  # the wait ended it, not the backend
+        assert client.stats() == (0, 0)
+
+
+async def test_the_first_byte_wait_covers_a_stream_whose_headers_came_at_once(waits):
+    """Engines send a stream's headers before the prefill: the first-byte wait runs until the
+    first byte of the body, and a request's own (a model's) overrides the client's."""
+    client = waits(first_byte_s=30, idle_s=30)
+
+    async def answer(request, writer):
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(5)
+
+    async with Backend(answer) as backend:
+        response = await client.post(backend.url, "/x", b"", b"", first_byte_timeout_s=0.3)
+        with pytest.raises(http1.FirstByteTimeout):
+            await asyncio.wait_for(response.read(), 4)
+        assert client.stats() == (0, 0)
+
+
+async def test_a_stream_that_stalls_midway_is_an_idle_timeout(waits):
+    client = waits(first_byte_s=30, idle_s=0.3)
+
+    async def answer(request, writer):
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for _ in range(4):  # bytes 0.1 s apart: within the idle timeout, for longer than it
+            writer.write(b"7\r\ndata: 1\r\n")
+            await writer.drain()
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(5)
+
+    async with Backend(answer) as backend:
+        response = await client.post(backend.url, "/x", b"", b"")
+        got = []
+        with pytest.raises(http1.IdleTimeout, match="0.3 s"):
+            async for chunk in response.iter_any():
+                got.append(chunk)
+        assert b"".join(got) == b"data: 1" * 4
+        assert client.stats() == (0, 0)
+
+
+async def test_a_paused_reader_is_not_an_idle_backend(waits):
+    """While the proxy stops reading (a slow client), the backend's silence is the proxy's doing."""
+    client = waits(first_byte_s=30, idle_s=0.3)
+    size = 4 * http1.READ_HIGH
+    async with Backend(writes_as_fast_as_it_can(size)) as backend:
+        response = await client.post(backend.url, "/x", b"", b"")
+        while not response._conn.paused:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.8)  # paused past the idle timeout
+        assert len(await asyncio.wait_for(response.read(), 10)) == size
+
+
+# ---------------------------------------------------------------- issue 23: a POST never runs twice
+async def test_a_close_after_the_request_was_read_is_not_safe_to_retry(client):
+    """The backend read the request (it may have started the work), then closed: `retry_safe` is
+    false, and open_upstream answers 502 instead of sending it again."""
+    async with Backend(lambda request, writer: asyncio.sleep(0, "close")) as backend:
+        with pytest.raises(http1.Disconnected) as caught:
+            await client.post(backend.url, "/x", b'{"a":1}', b"")
+        assert caught.value.retry_safe is False
+        assert len(backend.requests) == 1
+
+
+def _closing_backend():
+    """A blocking loopback server (a thread) whose `close_all()` closes what it accepted, at once."""
+    import socket
+    import threading
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    accepted: list[socket.socket] = []
+    requests: list[bytes] = []
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            accepted.append(conn)
+            threading.Thread(target=answer_all, args=(conn,), daemon=True).start()
+
+    def answer_all(conn: socket.socket) -> None:
+        data = b""
+        while True:
+            try:
+                got = conn.recv(65536)
+            except OSError:
+                return
+            if not got:
+                return
+            data += got
+            while b"\r\n\r\n" in data:
+                head, _, data = data.partition(b"\r\n\r\n")
+                requests.append(head)
+                conn.sendall(JSON_OK)
+
+    def close_all() -> None:
+        for conn in accepted:
+            conn.shutdown(socket.SHUT_RDWR)
+            conn.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return listener, f"http://127.0.0.1:{listener.getsockname()[1]}", close_all, requests
+
+
+async def _pooled_then_closed(client: http1.Client, url: str, close_all) -> None:
+    """One answer (its connection pooled), then the backend closes it while the event loop is
+    busy: the pool has not seen the close."""
+    import time
+
+    response = await client.post(url, "/x", b"", b"")
+    await response.read()
+    response.release()
+    close_all()
+    time.sleep(0.2)  # the loop does not run: the connection still looks open to the pool
+
+
+async def test_a_pooled_connection_closed_before_the_request_reached_it_is_safe_to_retry(client):
+    """The backend closed its keep-alive connection just as the proxy reused it (here: while the
+    event loop was busy, so the close was not yet seen): its kernel acknowledged none of the
+    request, so the backend never read it: `retry_safe`."""
+    listener, url, close_all, requests = _closing_backend()
+    try:
+        await _pooled_then_closed(client, url, close_all)
+        with pytest.raises(http1.Disconnected) as caught:
+            await client.post(url, "/x", b"", b"")
+        assert caught.value.retry_safe is True
+        assert len(requests) == 1
+    finally:
+        listener.close()
+
+
+async def test_a_pooled_connection_seen_closed_before_reuse_is_not_used(client, monkeypatch):
+    """Idle past PEEK_IDLE_S, a pooled connection is polled before reuse: the backend's close that
+    the loop had not yet seen sends the request on a new connection, with nothing to retry."""
+    monkeypatch.setattr(http1, "PEEK_IDLE_S", 0.0)
+    listener, url, close_all, requests = _closing_backend()
+    try:
+        await _pooled_then_closed(client, url, close_all)
+        response = await client.post(url, "/x", b"", b"")
+        assert await response.read() == b'{"ok":true}'
+        assert len(requests) == 2
+    finally:
+        listener.close()
