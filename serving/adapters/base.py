@@ -115,9 +115,12 @@ STR = "str"
 TEMPLATE = "template"
 
 
-# Routes of the OpenAI-compatible surface that not every backend serves; a backend serves the
-# rest of /v1/ (chat, completions, embeddings, models) or answers its own 404.
-OPTIONAL_ROUTES = frozenset({"/v1/responses", "/v1/messages", "/v1/messages/count_tokens"})
+# The inference routes the proxy forwards to a server (its paths on the backend), an allowlist per
+# engine: its session, control and admin routes (llama-server's /slots, /props, /v1/streams/lookup,
+# /v1/chat/completions/control, /lora-adapters; vLLM's /sleep, /collective_rpc,
+# /v1/load_lora_adapter, ...) never reach it through the console. Held against each engine's route
+# table by tests/serving/test_engine_routes.py, which says why each route left out is.
+OPENAI_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings"})
 
 
 class BackendAdapter:
@@ -129,14 +132,15 @@ class BackendAdapter:
     health_path: ClassVar[str] = "/health"
     # Log lines that mean "probably up now": they only make the health poll happen sooner.
     ready_hints: ClassVar[tuple[str, ...]] = ("Uvicorn running on",)
-    # Which of OPTIONAL_ROUTES the server answers itself (the proxy translates or refuses the others).
-    native_routes: ClassVar[frozenset[str]] = frozenset()
+    # The routes the server answers itself (the proxy translates /v1/messages to chat completions
+    # where it is absent, and refuses the others: 404 unsupported_by_backend).
+    inference_routes: ClassVar[frozenset[str]] = OPENAI_ROUTES
     # The kinds of model (server_type) it can serve; selection skips it for the others.
     server_types: ClassVar[frozenset[str]] = frozenset({"llm", "embedding"})
 
     def serves(self, path: str, version: str = "") -> bool:
-        """Whether the backend answers `path` itself (False only for an OPTIONAL_ROUTES path it lacks)."""
-        return path not in OPTIONAL_ROUTES or path in self.native_routes
+        """Whether the proxy may send `path` to this server (one of its inference routes)."""
+        return path in self.inference_routes
 
     def load_timeout_s(self) -> int:
         raise NotImplementedError

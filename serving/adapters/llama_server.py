@@ -53,7 +53,11 @@ class LlamaServer(BackendAdapter):
     # "llama_server: listening on http://..." (0.5), "server is listening on" / "HTTP server listening" (older).
     ready_hints = ("listening on http", "server is listening", "HTTP server listening")
     # The OpenAI Responses API and Anthropic's Messages API (with count_tokens) are llama-server's own.
-    native_routes = frozenset({"/v1/responses", "/v1/messages", "/v1/messages/count_tokens"})
+    inference_routes = BackendAdapter.inference_routes | {
+        "/v1/responses", "/v1/messages", "/v1/messages/count_tokens", "/v1/chat/completions/input_tokens",
+        "/v1/responses/input_tokens", "/v1/rerank", "/v1/reranking", "/v1/audio/transcriptions",
+        "/tokenize", "/detokenize", "/apply-template", "/infill", "/rerank",
+    }
     server_types = frozenset({"llm", "embedding", "rerank"})
 
     def load_timeout_s(self) -> int:

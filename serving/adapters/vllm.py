@@ -27,6 +27,8 @@ CONVERT_REWARD_UNTIL = (0, 16, 0)
 SWAP_SPACE_UNTIL = (0, 18, 0)
 RESPONSES_SINCE = (0, 10, 0)
 MESSAGES_SINCE = (0, 12, 0)
+# Its count_tokens only from 0.17.0 (absent in the 0.15.1 and 0.16.0 wheels: tests/serving/vllm_routes).
+COUNT_TOKENS_SINCE = (0, 17, 0)
 
 COMMON_FLAGS = {
     "--max-model-len": INT,
@@ -61,7 +63,11 @@ class VllmServer(BackendAdapter):
     formats = ("huggingface",)
     health_path = "/health"
     ready_hints = ("Uvicorn running on", "Application startup complete")
-    native_routes = frozenset({"/v1/responses", "/v1/messages", "/v1/messages/count_tokens"})
+    inference_routes = BackendAdapter.inference_routes | {
+        "/v1/responses", "/v1/messages", "/v1/messages/count_tokens", "/v1/rerank", "/v1/score",
+        "/v1/audio/transcriptions", "/v1/audio/translations",
+        "/tokenize", "/detokenize", "/rerank", "/score", "/pooling", "/classify",
+    }
     server_types = frozenset({"llm", "embedding", "rerank"})
 
     def serves(self, path: str, version: str = "") -> bool:
@@ -70,6 +76,8 @@ class VllmServer(BackendAdapter):
         parsed = parse_version(version)
         if path == "/v1/responses":
             return not parsed or parsed >= RESPONSES_SINCE
+        if path == "/v1/messages/count_tokens":
+            return bool(parsed) and parsed >= COUNT_TOKENS_SINCE
         if path.startswith("/v1/messages"):
             return bool(parsed) and parsed >= MESSAGES_SINCE
         return super().serves(path, version)

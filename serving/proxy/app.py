@@ -63,8 +63,10 @@ PATH_KINDS = {
 # The engines' own routes outside /v1/ that take a model, reachable as /api/inference/<route>.
 ENGINE_ROUTES = frozenset({"tokenize", "detokenize", "apply-template", "infill", "rerank", "score", "pooling",
                            "classify"})
-# Any other POST /v1/<path> is forwarded as is; the path is checked to be plain segments.
-FORWARD_PATH_RE = re.compile(r"/v1(?:/[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}){1,6}")
+# A POST /v1/<path> is forwarded when some engine serves it as an inference route (the engines'
+# allowlists, serving/adapters); each request then only to an engine that serves it.
+FORWARDED_V1_ROUTES = frozenset(p for adapter in ADAPTERS.values() for p in adapter.inference_routes
+                                if p.startswith("/v1/"))
 
 REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 WATCH_AFTER_S = 0.05  # a forwarded exchange still running this long watches for the client leaving
@@ -97,7 +99,7 @@ def resolve_route(path: str) -> Route:
     if embedding_only:
         if rest == "/v1/embeddings":
             return Route("POST", "forward", "embedding", True, rest)
-    elif FORWARD_PATH_RE.fullmatch(rest):
+    elif rest in FORWARDED_V1_ROUTES:
         return Route("POST", "forward", PATH_KINDS.get(rest), False, rest)
     elif inference and rest[1:] in ENGINE_ROUTES:
         return Route("POST", "forward", PATH_KINDS.get(rest), False, rest)

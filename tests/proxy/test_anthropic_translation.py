@@ -16,7 +16,7 @@ def test_which_backend_serves_which_optional_route():
     server, binding, vllm = get_adapter("llama-server"), get_adapter("llama-cpp-python"), get_adapter("vllm")
     for path in ("/v1/responses", "/v1/messages", "/v1/messages/count_tokens"):
         assert server.serves(path) and not binding.serves(path)
-    assert binding.serves("/v1/chat/completions") and binding.serves("/v1/audio/speech")  # its own 404 answers
+    assert binding.serves("/v1/chat/completions") and not binding.serves("/v1/audio/speech")  # its allowlist
     assert vllm.serves("/v1/responses") and vllm.serves("/v1/responses", "0.10.1")
     assert not vllm.serves("/v1/responses", "0.9.2")
     assert not vllm.serves("/v1/messages") and vllm.serves("/v1/messages", "0.12.0")  # translated without a version

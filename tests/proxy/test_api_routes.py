@@ -108,19 +108,22 @@ def test_engine_routes_reach_llama_server(api, route, body, field):
         assert back.status_code == 200 and "hello world" in back.json()["content"], back.text
 
 
-def test_a_route_the_backend_lacks_answers_its_own_404_in_openai_shape(api):
+def test_a_route_the_backend_lacks_is_404_in_openai_shape(api):
+    """Each engine gets only its own inference routes (issue 34 #8): a route it lacks is refused
+    by the console, and a route no engine serves is unknown."""
     console, _ = api
-    # llama-cpp-python (FastAPI) says {"detail": "Not Found"}; the stand-in a plain-text page.
-    for model in ("lcp-chat", "tool-bot"):
+    for model in ("lcp-chat", "tool-bot"):  # both llama-cpp-python: no /tokenize
         r = _post(console, "/api/inference/tokenize", json={"model": model, "content": "x"})
         assert r.status_code == 404, r.text
-        assert set(r.json()["error"]) == {"message", "type", "code"} and r.json()["error"]["code"] == "not_found"
+        assert set(r.json()["error"]) == {"message", "type", "code"}
+        assert r.json()["error"]["code"] == "unsupported_by_backend" and "llama-cpp-python" in r.text
     client = openai.OpenAI(base_url=console.url + "/v1", api_key=console.key, max_retries=0, timeout=30)
     with pytest.raises(openai.NotFoundError) as caught:
         client.images.generate(model="lcp-chat", prompt="a cat")
-    assert caught.value.body["message"] == "Not Found"
-    with pytest.raises(openai.NotFoundError):
+    assert caught.value.body["code"] == "not_found"
+    with pytest.raises(openai.NotFoundError) as caught:
         client.audio.transcriptions.create(model="tool-bot", file=("a.wav", b"RIFF0000WAVE", "audio/wav"))
+    assert caught.value.body["code"] == "unsupported_by_backend"
 
 
 def test_responses_on_llama_server_with_the_openai_sdk(api):
