@@ -363,6 +363,7 @@ def check_import_path(local_path: str, *, limit_to_import_dirs: bool = True, act
 
 # --------------------------------------------------------------------------- local paths a load may serve
 LOAD_SCAN_MAX_ENTRIES = 2000  # a model folder holds a few dozen files; a load never walks more than this
+UPLOAD_SCAN_MAX_ENTRIES = 20000  # an upload through the API or a page (not `manage.py hub_upload`)
 GGUF_MAGIC = b"GGUF"
 MAX_SHARDS = 1000
 
@@ -486,7 +487,8 @@ def validate_upload(*, local_path: str, format: str, name: str,
     if format not in FORMAT_ROOTS:
         raise HubInputError(f"Unknown format {format!r}: use gguf or huggingface.")
     prefix = prefix_for(format, name)  # InvalidPrefix for a traversal attempt in name
-    source = check_import_path(local_path, limit_to_import_dirs=limit_to_import_dirs)
+    source = check_import_path(local_path, limit_to_import_dirs=limit_to_import_dirs,
+                               max_entries=UPLOAD_SCAN_MAX_ENTRIES if limit_to_import_dirs else None)
     problem = layout_problem(format, [f.rel for f in source.files], is_dir=source.is_dir, name=local_path)
     if problem:
         raise HubInputError(problem)

@@ -124,3 +124,15 @@ def test_a_store_disk_that_fills_up_during_a_write_stops_it_cleanly(small_store,
     assert small_store.read_manifest("gguf/m") == before  # the old model is as it was
     assert not any(p.is_file() for p in (small_store.root / ".xgen-staging").rglob("*"))  # nothing left of v2
     assert not list(small_store.root.rglob("*.xgen-part"))
+
+
+def test_an_upload_of_a_huge_folder_is_refused_without_walking_it(settings, hub_dirs, operator):
+    imports = hub_dirs / "imports"
+    folder = make_model_dir(imports / "tree", {"m.gguf": b"GGUF"})
+    for i in range(services.UPLOAD_SCAN_MAX_ENTRIES + 5):
+        (folder / f"f{i:05d}.txt").touch()
+    settings.IMPORT_DIRS = [imports]
+    resp = _upload(operator.key, folder)
+    assert resp.status_code == 400, resp.content
+    assert f"more than {services.UPLOAD_SCAN_MAX_ENTRIES} files and folders" in resp.json()["error"]["message"]
+    assert not UploadJob.objects.exists()
