@@ -3,7 +3,10 @@
 Layout: `gguf/<name>/...` and `huggingface/<name>/...`. A model is complete only once its
 manifest (`<prefix>/.xgen-manifest.json`, the file list with size, ETag and sha256) exists, and
 the manifest is always written LAST and deleted FIRST: an interrupted upload or delete never
-looks like a loadable model.
+looks like a loadable model. A write goes to `.xgen-staging/<token>/<prefix>/` first (beside the
+format roots, never listed) and is switched in once every file is there, so a replace that is
+cancelled or fails leaves the model it was replacing as it was; what a write that died leaves
+there is swept at the agent's start (`ModelStore.sweep`).
 """
 from __future__ import annotations
 
