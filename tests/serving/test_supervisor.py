@@ -97,7 +97,7 @@ async def test_killed_backend_goes_to_error_then_is_restarted(agent, tiny_gguf, 
 
 async def test_backend_that_exits_at_once_is_an_error_with_its_last_lines(agent, tmp_path, engine):
     bad = tmp_path / "not-a-model.gguf"
-    bad.write_bytes(b"this is not a GGUF file\n" * 10)
+    bad.write_bytes(b"GGUF" + b"this is not a GGUF file\n" * 10)  # the magic passes the load's check, no more
     started = time.monotonic()
     inst = await sync_to_async(_load)(bad, "broken", backend=engine)
     inst = await wait_state(inst.pk, {InstanceState.READY, InstanceState.ERROR}, timeout=30)
