@@ -15,7 +15,7 @@ from accounts.services import KeyInputError, create_api_key, expiry_in, revoke_a
 keys_router = Router()
 audit_router = Router()
 
-LIMITS = ("allowed_models", "rpm", "tpm", "daily_tokens", "monthly_tokens", "priority")
+LIMITS = ("allowed_models", "rpm", "tpm", "daily_tokens", "monthly_tokens", "priority", "scopes")
 
 
 def key_out(key: ApiKey) -> dict:
@@ -25,6 +25,7 @@ def key_out(key: ApiKey) -> dict:
         "last_used": key.last_used_at, "expires_at": key.expires_at, "revoked_at": key.revoked_at,
         "active": key.is_usable, "allowed_models": list(key.allowed_models or []), "rpm": key.rpm, "tpm": key.tpm,
         "daily_tokens": key.daily_tokens, "monthly_tokens": key.monthly_tokens, "priority": key.priority,
+        "scopes": list(key.scopes or []),
     }
 
 

@@ -6,7 +6,7 @@ from django.core.exceptions import PermissionDenied
 from django.http import HttpRequest
 from ninja.security import HttpBearer, SessionAuth
 
-from accounts.credentials import lookup_key
+from accounts.credentials import lookup_key, scope_refused
 from accounts.errors import ApiError
 from accounts.models import User
 
@@ -21,6 +21,21 @@ class LoginRequiredPagesMiddleware(LoginRequiredMiddleware):
         if request.path.startswith(API_PREFIXES):
             return None
         return super().process_view(request, view_func, view_args, view_kwargs)
+
+
+def scope_for(request: HttpRequest) -> str:
+    """The key scope a call needs: inference under /api/inference/, read for GET, HEAD and
+    OPTIONS, manage for every other method."""
+    if request.path.startswith("/api/inference/"):
+        return "inference"
+    return "read" if request.method in ("GET", "HEAD", "OPTIONS") else "manage"
+
+
+def visible_models(request: HttpRequest) -> frozenset[str] | None:
+    """The models whose rows a caller may read: its key's allowed_models, or None (every model:
+    a session, or a key without allowed_models)."""
+    principal = getattr(request, "api_principal", None)
+    return principal.allowed_models if principal is not None else None
 
 
 class _RoleCheck:
@@ -55,6 +70,10 @@ class ApiKeyAuth(_RoleCheck, HttpBearer):
         if user is not None:
             request.user = user
             request.api_key_id = principal.key_id  # the audit log says which key acted
+            request.api_principal = principal  # its allowed_models narrow what it reads
+            scope = scope_for(request)
+            if not principal.has_scope(scope):
+                raise ApiError(403, scope_refused(principal, scope), code="insufficient_scope")
         return self._allowed(user)
 
 

@@ -30,7 +30,7 @@ from django.conf import settings
 from django.contrib.auth.signals import user_logged_out
 
 from accounts.errors import ErrorAnswer
-from accounts.models import ROLE_RANK, ApiKey, Role, hash_key
+from accounts.models import KEY_SCOPES, ROLE_RANK, ApiKey, Role, hash_key
 from accounts.origins import origin_allowed
 from live.db import db_async, run_db
 from live.groups import GroupListener, send, send_sync
@@ -68,6 +68,7 @@ class Principal:
     daily_tokens: int | None = None
     monthly_tokens: int | None = None
     priority: int = 0
+    scopes: frozenset[str] = frozenset(KEY_SCOPES)  # a session may do all its role allows
 
     def has_role(self, needed: str) -> bool:
         return ROLE_RANK[Role(self.role)] >= ROLE_RANK[Role(needed)]
@@ -83,6 +84,15 @@ class Principal:
 
     def may_use(self, model: str) -> bool:
         return self.allowed_models is None or model in self.allowed_models
+
+    def has_scope(self, scope: str) -> bool:
+        return scope in self.scopes
+
+
+def scope_refused(principal: Principal, scope: str) -> str:
+    """The 403 message for a key without `scope`."""
+    return (f"This API key may not do this: it needs the {scope} scope and has "
+            f"{', '.join(sorted(principal.scopes)) or 'none'}.")
 
 
 MISS, FRESH, STALE = "miss", "fresh", "stale"
@@ -196,7 +206,7 @@ def principal_for_key(key: ApiKey) -> Principal:
         expires_at=key.expires_at.timestamp() if key.expires_at else None,
         allowed_models=frozenset(key.allowed_models) if key.allowed_models else None,
         rpm=key.rpm, tpm=key.tpm, daily_tokens=key.daily_tokens, monthly_tokens=key.monthly_tokens,
-        priority=key.priority,
+        priority=key.priority, scopes=frozenset(key.scopes if key.scopes is not None else KEY_SCOPES),
     )
 
 
@@ -492,9 +502,12 @@ def _origin_ok(headers: dict[bytes, bytes], scheme: str) -> bool:
     return origin_allowed(origin.decode("latin-1"), scheme=scheme, host=headers.get(b"host", b"").decode("latin-1"))
 
 
-async def authenticate(headers: dict[bytes, bytes], *, method: str, scheme: str = "http") -> Principal:
+async def authenticate(headers: dict[bytes, bytes], *, method: str, scheme: str = "http",
+                       scope: str | None = "inference") -> Principal:
     """A bearer key (cached, no database per request) or the console's session (+CSRF on writes),
-    read from raw ASGI headers; ErrorAnswer 401 or 403 (csrf_failed) otherwise."""
+    read from raw ASGI headers; ErrorAnswer 401 or 403 (csrf_failed) otherwise. A key must also
+    hold `scope` (the inference surfaces' by default; None: any key, to judge a body limit):
+    403 insufficient_scope."""
     upkeep.ensure_started()
     auth = headers.get(b"authorization")
     if auth is not None:
@@ -506,6 +519,8 @@ async def authenticate(headers: dict[bytes, bytes], *, method: str, scheme: str 
         if principal is None:
             raise ErrorAnswer(401, "Invalid API key.", code="invalid_api_key",
                               headers=[(b"www-authenticate", b"Bearer")])
+        if scope is not None and not principal.has_scope(scope):
+            raise ErrorAnswer(403, scope_refused(principal, scope), code="insufficient_scope")
         return principal
     cookie_header = headers.get(b"cookie")
     if cookie_header:

@@ -1,7 +1,7 @@
 from django import forms
 from django.contrib.auth.password_validation import validate_password
 
-from accounts.models import Role, User
+from accounts.models import KEY_SCOPES, Role, User
 
 
 class UserCreateForm(forms.Form):
@@ -55,6 +55,11 @@ class ApiKeyLimitsForm(forms.Form):
                                       widget=forms.NumberInput(attrs={"placeholder": "unlimited"}))
     monthly_tokens = forms.IntegerField(required=False, min_value=1, label="Tokens per month (UTC)",
                                         widget=forms.NumberInput(attrs={"placeholder": "unlimited"}))
+    scopes = forms.MultipleChoiceField(
+        required=False, choices=[(s, s) for s in KEY_SCOPES], initial=list(KEY_SCOPES),
+        widget=forms.CheckboxSelectMultiple,
+        help_text="inference: call models; read: every GET of the API and /metrics; manage: every other API "
+                  "write (within the user's role). An API client's key may be inference only; none ticked: all.")
     priority = forms.TypedChoiceField(
         required=False, coerce=int, initial=4, empty_value=4,
         choices=[(7, "high"), (4, "normal"), (1, "low")] + [(i, str(i)) for i in range(10) if i not in (1, 4, 7)],
@@ -64,13 +69,16 @@ class ApiKeyLimitsForm(forms.Form):
         raw = self.cleaned_data.get("allowed_models") or ""
         return sorted({m.strip() for m in raw.replace("\n", ",").split(",") if m.strip()})
 
+    def clean_scopes(self) -> list[str]:
+        return self.cleaned_data.get("scopes") or list(KEY_SCOPES)
+
     def clean_priority(self) -> int:
         value = self.cleaned_data.get("priority")
         return 4 if value is None else value
 
     def limits(self) -> dict:
         return {f: self.cleaned_data[f] for f in ("allowed_models", "rpm", "tpm", "daily_tokens",
-                                                  "monthly_tokens", "priority")}
+                                                  "monthly_tokens", "priority", "scopes")}
 
 
 class ApiKeyCreateForm(ApiKeyLimitsForm):
@@ -78,11 +86,11 @@ class ApiKeyCreateForm(ApiKeyLimitsForm):
     user = forms.ModelChoiceField(queryset=User.objects.filter(is_active=True).order_by("username"))
     expires_in_days = forms.IntegerField(required=False, min_value=1, max_value=3650, label="Expires in (days)")
 
-    field_order = ["name", "user", "expires_in_days", "allowed_models", "rpm", "tpm", "daily_tokens",
+    field_order = ["name", "user", "expires_in_days", "scopes", "allowed_models", "rpm", "tpm", "daily_tokens",
                    "monthly_tokens", "priority"]
 
 
 class ApiKeyEditForm(ApiKeyLimitsForm):
     name = forms.CharField(max_length=100)
 
-    field_order = ["name", "allowed_models", "rpm", "tpm", "daily_tokens", "monthly_tokens", "priority"]
+    field_order = ["name", "scopes", "allowed_models", "rpm", "tpm", "daily_tokens", "monthly_tokens", "priority"]

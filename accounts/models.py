@@ -45,6 +45,14 @@ class User(AbstractUser):
 
 
 KEY_PREFIX = "xgen_"
+# What a key may do, within its user's role: call models (the proxy, /v1 and /api/inference), read the
+# console (every GET of the API and /metrics), change it (every other API write). A new key for an API
+# client can be inference-only; keys made before scopes existed have all three (what they could do).
+KEY_SCOPES = ("inference", "read", "manage")
+
+
+def all_scopes() -> list[str]:
+    return list(KEY_SCOPES)
 
 
 def hash_key(raw: str) -> str:
@@ -70,6 +78,7 @@ class ApiKey(models.Model):
     monthly_tokens = models.PositiveBigIntegerField(null=True, blank=True, help_text="tokens per UTC month")
     priority = models.PositiveSmallIntegerField(
         default=4, help_text="0-9, higher goes first when requests queue; low = 1, normal = 4 (default), high = 7")
+    scopes = models.JSONField(default=all_scopes, blank=True, help_text="of inference, read, manage")
 
     class Meta:
         db_table = "xgenconsole_apikey"

@@ -8,6 +8,8 @@ from ninja import Field, Schema
 
 from accounts.bodies import StrictBody
 
+Scope = Literal["inference", "read", "manage"]  # accounts.models.KEY_SCOPES
+
 
 class KeyIn(StrictBody):
     name: str = Field(..., min_length=1, max_length=100)
@@ -21,6 +23,9 @@ class KeyIn(StrictBody):
     priority: int | Literal["high", "normal", "low"] | None = Field(
         None, description="high | normal (default) | low, or 0-9 (low 1, normal 4, high 7); higher goes first "
                           "when requests queue")
+    scopes: list[Scope] | None = Field(
+        None, min_length=1, description="what the key may do within its user's role: inference (the models), "
+                                        "read (every GET, /metrics), manage (every other write); absent: all three")
 
 
 class KeyPatch(StrictBody):
@@ -34,6 +39,7 @@ class KeyPatch(StrictBody):
     daily_tokens: int | None = Field(None, ge=1)
     monthly_tokens: int | None = Field(None, ge=1)
     priority: int | Literal["high", "normal", "low"] | None = None
+    scopes: list[Scope] | None = Field(None, min_length=1, description="null: all three")
 
 
 class KeyOut(Schema):
@@ -53,6 +59,7 @@ class KeyOut(Schema):
     daily_tokens: int | None
     monthly_tokens: int | None
     priority: int
+    scopes: list[str]
 
 
 class KeyCreatedOut(KeyOut):

@@ -7,10 +7,10 @@ from django.db import transaction
 from django.utils import timezone
 
 from accounts.credentials import notify_changed
-from accounts.models import ApiKey, Role, User, hash_key
+from accounts.models import KEY_SCOPES, ApiKey, Role, User, hash_key
 
 # The limit fields of a key, as the API, the Keys page and createapikey name them.
-LIMIT_FIELDS = ("allowed_models", "rpm", "tpm", "daily_tokens", "monthly_tokens", "priority")
+LIMIT_FIELDS = ("allowed_models", "rpm", "tpm", "daily_tokens", "monthly_tokens", "priority", "scopes")
 MAX_PRIORITY = 9
 # The names the API, the CLI and the Keys page take for a priority (the integer 0-9 works as well).
 PRIORITY_NAMES = {"low": 1, "normal": 4, "high": 7}
@@ -83,6 +83,13 @@ def clean_limits(values: dict) -> dict:
             if any(len(m) > 255 for m in names) or len(names) > 500:
                 raise KeyInputError("allowed_models: at most 500 names of 255 characters.")
             out[field] = names
+        elif field == "scopes":
+            if value is None:
+                value = list(KEY_SCOPES)
+            if (not isinstance(value, list | tuple) or not value
+                    or not all(isinstance(s, str) and s in KEY_SCOPES for s in value)):
+                raise KeyInputError(f"scopes must be a non-empty list of {', '.join(KEY_SCOPES)}.")
+            out[field] = [s for s in KEY_SCOPES if s in value]
         elif field == "priority":
             value = DEFAULT_PRIORITY if value is None else priority_value(value)
             if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_PRIORITY:
@@ -108,7 +115,8 @@ def expiry_in(days: int | None) -> datetime | None:
 
 def create_api_key(*, user: User, name: str, expires_at: datetime | None = None, **limits) -> tuple[ApiKey, str]:
     """Returns the stored key and the raw key, which is never stored or shown again.
-    `limits`: allowed_models, rpm, tpm, daily_tokens, monthly_tokens, priority (absent: unlimited)."""
+    `limits`: allowed_models, rpm, tpm, daily_tokens, monthly_tokens, priority (absent: unlimited), scopes
+    (absent: all three)."""
     raw = ApiKey.generate()
     key = ApiKey.objects.create(
         user=user, name=(name or "key")[:100], prefix=raw[:12], key_hash=hash_key(raw), expires_at=expires_at,

@@ -93,7 +93,8 @@ def keys_page(request: HttpRequest) -> HttpResponse:
 
 def _limits_detail(key: ApiKey) -> dict:
     return {"allowed_models": list(key.allowed_models or []), "rpm": key.rpm, "tpm": key.tpm,
-            "daily_tokens": key.daily_tokens, "monthly_tokens": key.monthly_tokens, "priority": key.priority}
+            "daily_tokens": key.daily_tokens, "monthly_tokens": key.monthly_tokens, "priority": key.priority,
+            "scopes": list(key.scopes or [])}
 
 
 @role_required(Role.ADMIN)
@@ -102,7 +103,7 @@ def key_edit(request: HttpRequest, key_id: int) -> HttpResponse:
     key = get_object_or_404(ApiKey.objects.select_related("user"), pk=key_id)
     initial = {"name": key.name, "allowed_models": ", ".join(key.allowed_models or []), "rpm": key.rpm,
                "tpm": key.tpm, "daily_tokens": key.daily_tokens, "monthly_tokens": key.monthly_tokens,
-               "priority": key.priority}
+               "priority": key.priority, "scopes": list(key.scopes or [])}
     form = ApiKeyEditForm(request.POST or None, initial=initial)
     if request.method == "POST":
         if form.is_valid():

@@ -354,9 +354,9 @@ def tokens_used(key_id: int, since: datetime) -> int:
 
 
 def usage_rows(*, start: datetime, end: datetime, group_by: str, bucket: str, key_id: int | None = None,
-               model: str | None = None) -> list[dict]:
+               model: str | None = None, models: frozenset[str] | None = None) -> list[dict]:
     """Usage summed per `bucket` (hour | day) and `group_by` (key | user | model | node | instance)
-    over [start, end), oldest first."""
+    over [start, end), oldest first; `models`: only theirs (a key's allowed_models)."""
     from django.db.models import F, Sum
     from django.db.models.functions import TruncDay
 
@@ -369,6 +369,8 @@ def usage_rows(*, start: datetime, end: datetime, group_by: str, bucket: str, ke
         qs = qs.filter(key_id=key_id)
     if model:
         qs = qs.filter(model=model)
+    if models is not None:
+        qs = qs.filter(model__in=sorted(models))
     qs = qs.annotate(b=TruncDay("bucket_start", tzinfo=UTC) if bucket == "day" else F("bucket_start"))
     group = [f for f in fields if f != "key_name"]
     rows = (qs.values("b", *group)
@@ -400,7 +402,8 @@ def _key_names(qs) -> dict[int, str]:
 
 
 def request_rows(*, key: str | None = None, model: str | None = None, status: int | None = None,
-                 request_id: str | None = None, before: int | None = None, limit: int = 100) -> list[dict]:
+                 request_id: str | None = None, before: int | None = None, limit: int = 100,
+                 models: frozenset[str] | None = None) -> list[dict]:
     """The request log, newest first; `key` is a key id or a key name."""
     from serving.models import RequestLog
 
@@ -412,6 +415,8 @@ def request_rows(*, key: str | None = None, model: str | None = None, status: in
         qs = qs.filter(key_id=key_id) if key_id is not None else qs.filter(key_name=key)
     if model:
         qs = qs.filter(model=model)
+    if models is not None:  # a key's allowed_models: the rows of those models only
+        qs = qs.filter(model__in=sorted(models))
     if status is not None:
         qs = qs.filter(status=status)
     if request_id:

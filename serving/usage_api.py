@@ -8,7 +8,7 @@ from django.http import HttpRequest, HttpResponse
 from django.utils.dateparse import parse_date, parse_datetime
 from ninja import Field, Query, Router, Schema
 
-from accounts.auth import api_auth
+from accounts.auth import api_auth, visible_models
 from accounts.errors import ApiError
 from accounts.spreadsheet import csv_text
 from serving.chargeback import chargeback
@@ -88,7 +88,7 @@ def usage(request: HttpRequest, query: Query[UsageQuery]):
     (at least every XGEN_USAGE_FLUSH seconds). `format=csv` answers text/csv."""
     start, end = time_range(query.start, query.end)
     rows = usage_rows(start=start, end=end, group_by=query.group_by, bucket=query.bucket, key_id=query.key,
-                      model=query.model)
+                      model=query.model, models=visible_models(request))
     if query.format == "csv":
         fields = [f for f in CSV_FIELDS if any(f in r for r in rows)] or CSV_FIELDS
         text = csv_text(fields, ({**row, "bucket_start": row["bucket_start"].isoformat()} for row in rows))
@@ -176,6 +176,13 @@ class RequestsOut(Schema):
 
 @requests_router.get("", response=RequestsOut, auth=api_auth, summary="The request log, newest first")
 def requests_log(request: HttpRequest, query: Query[RequestsQuery]):
-    """One row per proxied request (never its prompt or answer), kept XGEN_REQUEST_LOG_DAYS days."""
-    return {"items": request_rows(key=query.key, model=query.model, status=query.status,
-                                  request_id=query.request_id, before=query.before, limit=query.limit)}
+    """One row per proxied request (never its prompt or answer), kept XGEN_REQUEST_LOG_DAYS days.
+    A key with allowed_models reads its models' rows only, and other users' client addresses blank."""
+    models = visible_models(request)
+    rows = request_rows(key=query.key, model=query.model, status=query.status, request_id=query.request_id,
+                        before=query.before, limit=query.limit, models=models)
+    if models is not None:
+        for row in rows:
+            if row["user"] != request.user.username:
+                row["client"] = ""
+    return {"items": rows}

@@ -65,7 +65,7 @@ def guard_django(app):
         authenticated = False
         if declared is None or declared > anonymous_limit:
             try:  # cached for keys and sessions: a database read at most once per cache lifetime
-                await authenticate(headers, method="GET")  # CSRF stays Django's to check
+                await authenticate(headers, method="GET", scope=None)  # CSRF and scopes stay Django's to check
                 authenticated = True
             except ErrorAnswer:
                 pass

@@ -510,12 +510,14 @@ async def _handle(scope, receive, send, headers: dict[bytes, bytes], ctx: Reques
     if path == "/metrics" or path == "/metrics/":
         if method != "GET":
             raise ProxyError(405, "Use GET.", code="method_not_allowed", headers=[(b"allow", b"GET")])
-        await authenticate(headers, method=method, scheme=scope.get("scheme", "http"))
+        reader = await authenticate(headers, method=method, scheme=scope.get("scheme", "http"), scope="read")
         body, content_type = metrics.render_metrics()
         try:  # the dashboard's DB-backed families, rendered in a worker thread, never on the loop
             body += await run_db(render_fleet)
         except DatabaseUnavailable:
             log.warning("/metrics: the database is unreachable; only this process's counters are exported")
+        if reader.allowed_models is not None:  # a key limited to some models reads theirs only
+            body = metrics.only_models(body, reader.allowed_models)
         await _send_json(send, 200, body, content_type=content_type.encode())
         return
     if path.startswith("/metrics"):

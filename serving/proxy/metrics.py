@@ -5,6 +5,7 @@ The summary is this process's view (each web process counts its own traffic).
 """
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections import deque
@@ -206,6 +207,24 @@ def usage_summary(*, instance_id: int | None = None, model: str | None = None) -
             "last_at": datetime.fromtimestamp(u.last_at, tz=UTC) if u.last_at else None,
         })
     return rows
+
+
+MODEL_LABEL_RE = re.compile(rb'[{,]model="((?:[^"\\]|\\.)*)"')
+
+
+def only_models(text: bytes, models: frozenset[str]) -> bytes:
+    """The exposition less every sample labelled with a model outside `models` (a key limited by
+    allowed_models reads its own models' figures, not other tenants'); samples without a model
+    label, HELP and TYPE lines stay."""
+    allowed = {m.encode().replace(b"\\", b"\\\\").replace(b'"', b'\\"').replace(b"\n", b"\\n") for m in models}
+    kept = []
+    for line in text.split(b"\n"):
+        if not line.startswith(b"#"):
+            found = MODEL_LABEL_RE.search(line)  # a raw quote never stands inside a label value
+            if found is not None and found.group(1) not in allowed:
+                continue
+        kept.append(line)
+    return b"\n".join(kept)
 
 
 def render_metrics() -> tuple[bytes, str]:

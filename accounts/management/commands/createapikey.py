@@ -23,6 +23,8 @@ class Command(BaseCommand):
         parser.add_argument("--tpm", type=int, help="tokens per minute")
         parser.add_argument("--daily-tokens", type=int, help="tokens per UTC day")
         parser.add_argument("--monthly-tokens", type=int, help="tokens per UTC month")
+        parser.add_argument("--scopes", type=_models, default=None,
+                            help="comma-separated, of inference, read, manage (default: all three)")
         parser.add_argument("--priority", type=priority_value,
                             help="high, normal (default) or low, or 0-9; higher goes first when requests queue")
 
@@ -31,7 +33,7 @@ class Command(BaseCommand):
         if user is None:
             raise CommandError(f"no user {username!r}")
         limits = {f: options[f] for f in ("allowed_models", "rpm", "tpm", "daily_tokens", "monthly_tokens",
-                                          "priority") if options.get(f) is not None}
+                                          "priority", "scopes") if options.get(f) is not None}
         try:
             key, raw = create_api_key(user=user, name=name, expires_at=expiry_in(options.get("expires_in_days")),
                                       **limits)
