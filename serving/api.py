@@ -31,6 +31,7 @@ def instance_out(inst: ModelInstance) -> dict:
                    "measured_source": inst.measured_source or None},
         "policy": inst.policy, "idle_ttl_s": inst.idle_ttl_s, "pinned": inst.pinned,
         "max_concurrency": inst.max_concurrency, "autostart": inst.autostart,
+        "first_byte_timeout_s": inst.first_byte_timeout_s,
         "last_request_at": inst.last_request_at, "idle_unload_at": inst.idle_unload_at,
         # The argv as planned; {port}, {model} and {python} stay where only the node knows them.
         "command": plan.command(port=inst.port, model=plan.known_model_file,
@@ -75,7 +76,7 @@ def load(request: HttpRequest, body: LoadIn):
             extra_args=body.extra_args, autostart=body.autostart, user=user, aliases=body.aliases,
             fallback=body.fallback,
             policy=body.policy, idle_ttl_s=body.idle_ttl_s, pinned=body.pinned, max_concurrency=body.max_concurrency,
-            start=body.start,
+            start=body.start, first_byte_timeout_s=body.first_byte_timeout_s,
         )
     except LoadRefused as exc:
         _audit_refused(request, "load", body.model_name or body.model_path, exc)
@@ -85,7 +86,8 @@ def load(request: HttpRequest, body: LoadIn):
     return Status(202, {"id": inst.pk, "model_name": inst.model_name, "state": inst.state, "backend": inst.backend,
                  "backend_reason": inst.backend_reason, "node": inst.node.name, "gpus": list(inst.gpus),
                  "policy": inst.policy, "idle_ttl_s": inst.idle_ttl_s, "pinned": inst.pinned,
-                 "max_concurrency": inst.max_concurrency, "autostart": inst.autostart})
+                 "max_concurrency": inst.max_concurrency, "autostart": inst.autostart,
+                 "first_byte_timeout_s": inst.first_byte_timeout_s})
 
 
 @management_router.post("/unload", response={202: InstanceOut}, auth=operator_auth, summary="Unload an instance")

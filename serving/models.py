@@ -118,6 +118,9 @@ class ModelInstance(models.Model):
     pinned = models.BooleanField(default=False, db_default=False, help_text="never evicted to make room")
     max_concurrency = models.PositiveIntegerField(null=True, blank=True,
                                                   help_text="requests one replica serves at once; more queue")
+    first_byte_timeout_s = models.PositiveIntegerField(
+        null=True, blank=True, help_text="the proxy's wait for the first byte of an answer's body (a long "
+                                         "prefill); null: XGEN_PROXY_FIRST_BYTE_TIMEOUT")
     last_request_at = models.DateTimeField(null=True, blank=True, help_text="the proxy's last request (batched)")
     desired_state = models.CharField(max_length=16, choices=DesiredState.choices, default=DesiredState.RUNNING)
     state = models.CharField(max_length=16, choices=InstanceState.choices, default=InstanceState.PENDING)

@@ -30,6 +30,9 @@ class LoadIn(StrictBody):
     pinned: bool = Field(False, description="never evicted to make room")
     max_concurrency: int | None = Field(None, ge=1, le=100000,
                                         description="requests one replica serves at once; more wait in the queue")
+    first_byte_timeout_s: int | None = Field(None, ge=1, le=86400, description="the proxy's wait (s) for the "
+                                             "first byte of an answer's body, then 504 upstream_timeout (a long "
+                                             "prefill needs more); default XGEN_PROXY_FIRST_BYTE_TIMEOUT")
     start: bool | None = Field(None, description="on_demand: start now instead of on the first request")
 
 
@@ -45,6 +48,7 @@ class LoadOut(Schema):
     idle_ttl_s: int = 0
     pinned: bool = False
     max_concurrency: int | None = None
+    first_byte_timeout_s: int | None = None
     autostart: bool = False
 
 
@@ -88,6 +92,7 @@ class InstanceOut(Schema):
     idle_ttl_s: int = 0
     pinned: bool = False
     max_concurrency: int | None = None
+    first_byte_timeout_s: int | None = None
     autostart: bool = False
     last_request_at: datetime | None = None
     idle_unload_at: datetime | None = None

@@ -118,7 +118,7 @@ def request_load(*, model_path: str, model_name: str | None = None, server_type:
                  autostart: bool = False, user=None, aliases: list[str] | None = None,
                  fallback: bool | None = None, policy: str = Policy.ALWAYS, idle_ttl_s: int | None = None,
                  pinned: bool = False, max_concurrency: int | None = None,
-                 start: bool | None = None) -> ModelInstance:
+                 start: bool | None = None, first_byte_timeout_s: int | None = None) -> ModelInstance:
     """Plan and record a load, then nudge the node's agent. `always` (and an on_demand load with
     `start`): desired RUNNING, state PENDING, room made by eviction (409 does_not_fit when none
     can be). on_demand without `start`: IDLE, started by the first request.
@@ -134,6 +134,8 @@ def request_load(*, model_path: str, model_name: str | None = None, server_type:
         raise LoadRefused(400, "idle_ttl_s must be >= 0 (0: never unloaded for idleness)")
     if max_concurrency is not None and max_concurrency < 1:
         raise LoadRefused(400, "max_concurrency must be >= 1 (or null: no limit)")
+    if first_byte_timeout_s is not None and first_byte_timeout_s < 1:
+        raise LoadRefused(400, "first_byte_timeout_s must be >= 1 (or null: the proxy's setting)")
     on_demand = policy == Policy.ON_DEMAND
     start_now = (not on_demand) if start is None else (bool(start) or not on_demand)
     args = dict(model_path=model_path, model_name=model_name, server_type=server_type, backend=backend, gpus=gpus,
@@ -142,6 +144,7 @@ def request_load(*, model_path: str, model_name: str | None = None, server_type:
     aliases = check_aliases(aliases, plan.model_name)
     victims: list[ModelInstance] = []
     on_demand_fields = dict(policy=policy, pinned=pinned, max_concurrency=max_concurrency,
+                            first_byte_timeout_s=first_byte_timeout_s,
                             idle_ttl_s=(settings.IDLE_TTL_S if idle_ttl_s is None else idle_ttl_s) if on_demand else 0)
     try:
         with placement_lock(plan.node.pk):

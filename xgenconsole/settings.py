@@ -95,6 +95,10 @@ PROXY_MAX_BODY_BYTES = env_int("XGEN_PROXY_MAX_BODY", 16 * 1024 * 1024, minimum=
 PROXY_ROUTING_PUSH = True  # the routing table refreshes in the background (pushed); settings_test turns it off
 PROXY_MAX_SSE_EVENT_BYTES = env_int("XGEN_PROXY_MAX_SSE_EVENT", 8 * 1024 * 1024, minimum=1024)
 PROXY_CONNECT_TIMEOUT_S = env_int("XGEN_PROXY_CONNECT_TIMEOUT", 5, minimum=1)
+# After the connect: the wait for the first byte of an answer's body (a long prompt's prefill; a
+# model's own first_byte_timeout_s overrides it), then the longest silence between bytes mid-answer.
+PROXY_FIRST_BYTE_TIMEOUT_S = env_int("XGEN_PROXY_FIRST_BYTE_TIMEOUT", 600, minimum=1)
+PROXY_IDLE_TIMEOUT_S = env_int("XGEN_PROXY_IDLE_TIMEOUT", 300, minimum=1)
 API_KEY_CACHE_S = env_int("XGEN_API_KEY_CACHE", 30, minimum=0)
 # Usage buckets and request-log rows: written by every web process in batches, at least this often.
 USAGE_FLUSH_S = env_int("XGEN_USAGE_FLUSH", 5, minimum=1, maximum=10)

@@ -612,6 +612,7 @@ async def passthrough(reply: UpstreamReply, send, timing, *, shape_error=openai_
                 parts.append(chunk)
                 size += len(chunk)
                 if size > ERROR_READ_MAX:
+                    reply.finish()  # the backend's error, counted as its status (not a client that left)
                     break
         data = b"".join(parts)
         fixed = shape_error(reply.status, data, reply.response.content_type)

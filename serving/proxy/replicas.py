@@ -48,6 +48,7 @@ class Backend:
     down_until: float = 0.0
     policy: str = "always"
     max_concurrency: int | None = None
+    first_byte_timeout_s: int | None = None  # the instance's own wait for an answer's first byte (None: the setting)
     secret: str = field(default="", repr=False)  # the bearer token the backend requires (its instance's row)
 
     @property
@@ -111,7 +112,7 @@ def _read_rows() -> tuple[list[dict], set[str], list[dict]]:
         ModelInstance.objects.filter(state=InstanceState.READY, node__in=fresh, port__isnull=False)
         .order_by("pk")
         .values("pk", "model_name", "aliases", "type", "backend", "port", "node__name", "node__address",
-                "ready_at", "created_at", "policy", "max_concurrency", "backend_key")
+                "ready_at", "created_at", "policy", "max_concurrency", "first_byte_timeout_s", "backend_key")
     )
     standby = list(
         ModelInstance.objects.filter(policy="on_demand", state__in=(*ACTIVE_STATES, InstanceState.IDLE))
@@ -241,6 +242,7 @@ class RoutingTable:
             backend.aliases = tuple(a for a in (row.get("aliases") or []) if isinstance(a, str))
             backend.policy = row.get("policy") or "always"
             backend.max_concurrency = row.get("max_concurrency")
+            backend.first_byte_timeout_s = row.get("first_byte_timeout_s")
             backend.secret = row.get("backend_key") or ""  # a new one with each launch of the instance
             for alias in backend.aliases:
                 snap.aliases.setdefault(alias, backend.model_name)

@@ -58,7 +58,9 @@ def client() -> http1.Client:
     loop = asyncio.get_running_loop()
     if _client is None or _client.closed or _client_loop is not loop:
         _client_loop = loop
-        _client = http1.Client(connect_timeout_s=settings.PROXY_CONNECT_TIMEOUT_S)
+        _client = http1.Client(connect_timeout_s=settings.PROXY_CONNECT_TIMEOUT_S,
+                               first_byte_timeout_s=settings.PROXY_FIRST_BYTE_TIMEOUT_S,
+                               idle_timeout_s=settings.PROXY_IDLE_TIMEOUT_S)
     return _client
 
 
@@ -127,6 +129,9 @@ class UpstreamReply:
         """The whole (small, non-streaming) body; ProxyError 502 when the backend breaks off."""
         try:
             body = await self.response.read()
+        except http1.UpstreamTimeout as exc:
+            self.finish(error="upstream_timeout")
+            raise ProxyError(504, str(exc), code="upstream_timeout") from None
         except (http1.UpstreamError, OSError) as exc:
             self.finish(error="upstream_broken")
             raise ProxyError(502, f"The backend broke off its answer: {exc}", code="upstream_error") from None
@@ -194,8 +199,11 @@ class UpstreamReply:
                 clean = True  # cut after its last event: the answer is whole, the lost framing is not news
                 return
             log.warning("backend %s broke off request %s: %s", self.backend.base_url, self.request_id, exc)
-            self.finish(error="upstream_broken")
-            if sse:
+            timeout = isinstance(exc, http1.UpstreamTimeout)
+            self.finish(error="upstream_timeout" if timeout else "upstream_broken")
+            if sse and timeout:
+                yield _error_event(str(exc), status=504, code="upstream_timeout")
+            elif sse:
                 yield _error_event(f"The backend stopped before finishing this answer ({exc.__class__.__name__}).")
         finally:
             if clean:
@@ -265,8 +273,8 @@ def strip_usage_events(data: bytes) -> bytes:
     return b"".join(kept)
 
 
-def _error_event(message: str) -> bytes:
-    return b"data: " + json.dumps(error_body(message, status=502, code="upstream_error")).encode() + b"\n\n"
+def _error_event(message: str, *, status: int = 502, code: str = "upstream_error") -> bytes:
+    return b"data: " + json.dumps(error_body(message, status=status, code=code)).encode() + b"\n\n"
 
 
 def _event_end(data: bytes) -> int:
@@ -318,7 +326,8 @@ async def open_upstream(*, path: str, query: bytes, body: bytes, candidates: lis
         busy_mark = recorder.busy_start(backend.instance_id) if ctx is not None else 0.0
         started = time.perf_counter()
         try:
-            response = await session.post(backend.base_url, target, body, fwd + backend.auth_header)
+            response = await session.post(backend.base_url, target, body, fwd + backend.auth_header,
+                                          first_byte_timeout_s=backend.first_byte_timeout_s)
         except BaseException as exc:
             backend.in_flight -= 1
             if ctx is not None:
@@ -330,9 +339,16 @@ async def open_upstream(*, path: str, query: bytes, body: bytes, candidates: lis
                 metrics.record(model=backend.model_name, instance_id=backend.instance_id, status=502,
                                duration_s=time.perf_counter() - started, first_byte_s=None, error="connect")
                 continue
+            if isinstance(exc, http1.Disconnected) and not exc.retry_safe:
+                # Closed after the request reached it: it may have run (a POST is never sent twice).
+                metrics.record(model=backend.model_name, instance_id=backend.instance_id, status=502,
+                               duration_s=time.perf_counter() - started, first_byte_s=None, error="upstream")
+                raise ProxyError(502, f"The backend closed the connection after it received the request, "
+                                      f"without answering; it is not sent again ({exc})", code="upstream_error") from None
             if isinstance(exc, http1.Disconnected):
-                # Closed before answering; most often a pooled connection to a backend that restarted:
-                # one more try on a fresh connection tells a restart from a dead replica.
+                # Closed before the request reached it (its kernel acknowledged none of it); most often a
+                # pooled connection to a backend that restarted: one more try on a fresh connection tells
+                # a restart from a dead replica.
                 last_exc = exc
                 if id(backend) not in retried:
                     retried.add(id(backend))
@@ -342,6 +358,10 @@ async def open_upstream(*, path: str, query: bytes, body: bytes, candidates: lis
                     metrics.record(model=backend.model_name, instance_id=backend.instance_id, status=502,
                                    duration_s=time.perf_counter() - started, first_byte_s=None, error="connect")
                 continue
+            if isinstance(exc, http1.FirstByteTimeout):
+                metrics.record(model=backend.model_name, instance_id=backend.instance_id, status=504,
+                               duration_s=time.perf_counter() - started, first_byte_s=None, error="timeout")
+                raise ProxyError(504, str(exc), code="upstream_timeout") from None
             if isinstance(exc, http1.UpstreamError | OSError):
                 metrics.record(model=backend.model_name, instance_id=backend.instance_id, status=502,
                                duration_s=time.perf_counter() - started, first_byte_s=None, error="upstream")

@@ -36,7 +36,8 @@ def test_load_answers_202_with_the_choice(client: Client, node, operator, tiny_g
     assert r.status_code == 202, r.content
     body = r.json()
     assert set(body) == {"id", "model_name", "state", "backend", "backend_reason", "node", "gpus",
-                         "policy", "idle_ttl_s", "pinned", "max_concurrency", "autostart"}  # the last five: issue 13
+                         "policy", "idle_ttl_s", "pinned", "max_concurrency", "autostart",  # issue 13
+                         "first_byte_timeout_s"}  # issue 23
     assert (body["policy"], body["pinned"], body["max_concurrency"]) == ("always", False, None)
     assert body["state"] == "PENDING" and body["backend"] == "llama-cpp-python" and body["node"] == NODE
     assert body["gpus"] == [] and body["backend_reason"] == "GGUF on CPU-only -> llama-cpp-python (cpu) (on node-t)"
@@ -47,6 +48,29 @@ def test_load_answers_202_with_the_choice(client: Client, node, operator, tiny_g
     # The same served name twice among active instances: 409.
     e = err(post(client, "load", {"model_path": str(tiny_gguf), "model_name": "tiny"}, operator.key), 409)
     assert e["code"] == "duplicate_model_name" and "tiny" in e["message"]
+
+
+def test_a_load_sets_the_models_own_first_byte_timeout(client, node, operator, tiny_gguf):
+    """Issue 23: a model with long prompts waits longer for its first byte than the proxy's
+    setting; the load stores it, the answers show it, the routing table hands it to the client."""
+    from serving.proxy.replicas import _read_rows
+
+    r = post(client, "load", {"model_path": str(tiny_gguf), "model_name": "long-prefill",
+                              "first_byte_timeout_s": 1800}, operator.key)
+    assert r.status_code == 202 and r.json()["first_byte_timeout_s"] == 1800, r.content
+    one = client.get(f"/api/management/instances/{r.json()['id']}", **bearer(operator.key)).json()
+    assert one["first_byte_timeout_s"] == 1800
+    from serving.models import ModelInstance
+
+    ModelInstance.objects.filter(pk=one["id"]).update(state="READY", port=1)
+    rows, _, _ = _read_rows()  # what the routing table makes its Backend of (a test through it: test_http1_*)
+    assert [row["first_byte_timeout_s"] for row in rows if row["model_name"] == "long-prefill"] == [1800]
+    plain = post(client, "load", {"model_path": str(tiny_gguf), "model_name": "plain"}, operator.key).json()
+    assert plain["first_byte_timeout_s"] is None  # the proxy's XGEN_PROXY_FIRST_BYTE_TIMEOUT
+    for bad in (0, -5, 86401, "soon"):
+        r = post(client, "load", {"model_path": str(tiny_gguf), "model_name": "x", "first_byte_timeout_s": bad},
+                 operator.key)
+        assert 400 <= r.status_code < 500, (bad, r.status_code)
 
 
 def test_default_name_and_unload_by_name(client, node, operator, tiny_gguf):
