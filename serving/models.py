@@ -444,6 +444,8 @@ class RequestLog(models.Model):
     completion_tokens = models.IntegerField(default=0)
     stream = models.BooleanField(default=False)
     client = models.CharField(max_length=64, blank=True)
+    client_request_id = models.CharField(max_length=128, blank=True, db_index=True,
+                                         help_text="the caller's X-Request-ID; request_id is the console's own")
 
     class Meta:
         ordering = ["-at", "-pk"]

@@ -41,7 +41,8 @@ REQUEST_ROWS_MAX = 50_000  # rows held while the database is down; the oldest go
 # (5 s of requests). This alone did not end the full collections at c=64 (12 in 16 s instead of
 # 13): the frozen start-up heap did (xgenconsole/asgi.py).
 ROW_FIELDS = ("at", "request_id", "key_id", "key_name", "username", "model", "instance_id", "node", "status",
-              "error", "ttft_ms", "duration_ms", "prompt_tokens", "completion_tokens", "stream", "client")
+              "error", "ttft_ms", "duration_ms", "prompt_tokens", "completion_tokens", "stream", "client",
+              "client_request_id")
 GROUPS = {"key": ("key_id", "key_name"), "user": ("username",), "model": ("model",), "node": ("node",),
           "instance": ("instance_id", "model", "node")}
 
@@ -59,9 +60,15 @@ class RequestContext:
     rate_headers: list[tuple[bytes, bytes]] = field(default_factory=list)
     extra_headers: list[tuple[bytes, bytes]] = field(default_factory=list)  # X-XGEN-Cold-Start
     comments_sent: bool = False  # a stream's headers went out with `: loading` comments during a cold start
+    client_request_id: str = ""  # the caller's X-Request-ID (request_id is the console's, the backend's)
     t0: float = field(default_factory=time.perf_counter)
     at: float = field(default_factory=time.time)
     logged: bool = False
+
+    @property
+    def answer_request_id(self) -> str:
+        """The X-Request-ID the client is answered with: its own when it sent one, else the console's."""
+        return self.client_request_id or self.request_id
 
 
 @dataclass
@@ -183,7 +190,7 @@ class UsageRecorder:
             model[:255], instance_id, node, status, error[:64],
             round(ttft_s * 1000, 2) if ttft_s is not None else None,
             round((time.perf_counter() - ctx.t0) * 1000, 2), prompt_tokens, completion_tokens, ctx.stream,
-            ctx.client[:64],
+            ctx.client[:64], ctx.client_request_id,
         )
         with self._lock:
             self._rows.append(row)
@@ -404,7 +411,8 @@ def _key_names(qs) -> dict[int, str]:
 def request_rows(*, key: str | None = None, model: str | None = None, status: int | None = None,
                  request_id: str | None = None, before: int | None = None, limit: int = 100,
                  models: frozenset[str] | None = None) -> list[dict]:
-    """The request log, newest first; `key` is a key id or a key name."""
+    """The request log, newest first; `key` is a key id or a key name; `request_id` the console's
+    id of a request or the caller's own (X-Request-ID)."""
     from serving.models import RequestLog
 
     qs = RequestLog.objects.all()
@@ -420,7 +428,9 @@ def request_rows(*, key: str | None = None, model: str | None = None, status: in
     if status is not None:
         qs = qs.filter(status=status)
     if request_id:
-        qs = qs.filter(request_id=request_id)
+        from django.db.models import Q
+
+        qs = qs.filter(Q(request_id=request_id) | Q(client_request_id=request_id))
     if before is not None:
         qs = qs.filter(pk__lt=before)
     return [
@@ -428,7 +438,7 @@ def request_rows(*, key: str | None = None, model: str | None = None, status: in
          "user": r.username, "model": r.model, "instance_id": r.instance_id, "node": r.node, "status": r.status,
          "error": r.error or None, "ttft_ms": r.ttft_ms, "duration_ms": r.duration_ms,
          "prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens, "stream": r.stream,
-         "client": r.client}
+         "client": r.client, "client_request_id": r.client_request_id}
         for r in qs.order_by("-pk")[:limit]
     ]
 

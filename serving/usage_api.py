@@ -145,7 +145,7 @@ class RequestsQuery(Schema):
     key: str | None = Field(None, max_length=100, description="a key id or a key name")
     model: str | None = Field(None, max_length=255)
     status: int | None = Field(None, ge=100, le=599)
-    request_id: str | None = Field(None, max_length=128)
+    request_id: str | None = Field(None, max_length=128, description="the console's id or the caller's X-Request-ID")
     before: int | None = Field(None, ge=1, description="only rows with a smaller id (older pages)")
     limit: int = Field(100, ge=1, le=1000)
 
@@ -168,6 +168,7 @@ class RequestItem(Schema):
     completion_tokens: int
     stream: bool
     client: str
+    client_request_id: str = Field("", description="the caller's X-Request-ID ('' when it sent none)")
 
 
 class RequestsOut(Schema):

@@ -359,7 +359,7 @@ class Translation:
 
     async def relay(self, reply: UpstreamReply, send, timing) -> None:
         """Answer the client in the Messages shape from the backend's chat-completions answer."""
-        request_id = [(b"x-request-id", reply.request_id.encode())]
+        request_id = [(b"x-request-id", reply.answer_request_id.encode())]
         if reply.status >= 400 or not (self.stream and reply.is_sse):
             read_from = time.perf_counter()
             data = await self._read(reply)

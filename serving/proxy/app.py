@@ -35,7 +35,7 @@ from serving.proxy import anthropic, metrics, ondemand
 from serving.proxy.errors import ProxyError
 from serving.proxy.limits import limiter
 from serving.proxy.replicas import Backend, Standby, routing_table
-from serving.proxy.upstream import UpstreamReply, open_upstream
+from serving.proxy.upstream import UpstreamReply, multipart_boundary, open_upstream
 from serving.usage import RequestContext, recorder
 
 log = logging.getLogger("xgen.proxy")
@@ -68,7 +68,7 @@ ENGINE_ROUTES = frozenset({"tokenize", "detokenize", "apply-template", "infill",
 FORWARDED_V1_ROUTES = frozenset(p for adapter in ADAPTERS.values() for p in adapter.inference_routes
                                 if p.startswith("/v1/"))
 
-REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+REQUEST_ID_RE = re.compile(rb"[\x21-\x7e](?:[\x20-\x7e]{0,126}[\x21-\x7e])?")  # a caller's X-Request-ID
 WATCH_AFTER_S = 0.05  # a forwarded exchange still running this long watches for the client leaving
 
 
@@ -301,14 +301,17 @@ async def peek_headers(principal: Principal | None) -> list[tuple[bytes, bytes]]
     return (await limiter().admit(principal, cost=0)).headers
 
 
-def request_id_from(headers: dict[bytes, bytes]) -> str:
-    """The caller's X-Request-ID when it is sane, else a new one."""
+def client_request_id(headers: dict[bytes, bytes]) -> str:
+    """The caller's own X-Request-ID ('' when it sent none): kept in the request log and echoed
+    back, never sent to a backend (the console's own id goes there: llama-cpp-python answers 400
+    to an id that is not a UUID). ProxyError 400 for one that is not 1-128 printable ASCII characters."""
     sent = headers.get(b"x-request-id")
-    if sent:
-        value = sent.decode("latin-1")
-        if REQUEST_ID_RE.fullmatch(value):
-            return value
-    return new_request_id()
+    if sent is None:
+        return ""
+    if not REQUEST_ID_RE.fullmatch(sent):
+        raise ProxyError(400, "X-Request-ID must be 1 to 128 printable ASCII characters (no spaces at its ends).",
+                         code="invalid_request_id")
+    return sent.decode("ascii")
 
 
 def new_request_id() -> str:
@@ -375,7 +378,7 @@ async def proxy_app(scope, receive, send) -> None:
         return
     started = time.perf_counter()
     headers = dict(scope["headers"])
-    request_id = request_id_from(headers)
+    request_id = new_request_id()
     state = {"started": False}
     peer = scope.get("client")
     ctx = RequestContext(request_id=request_id, client=str(peer[0]) if peer else "")
@@ -389,6 +392,7 @@ async def proxy_app(scope, receive, send) -> None:
 
     try:
         try:
+            ctx.client_request_id = client_request_id(headers)
             await _handle(scope, receive, tracked_send, headers, ctx, started)
         except DatabaseUnavailable as exc:
             # A key or session lookup, or the first routing table, needs the database and it is
@@ -403,7 +407,7 @@ async def proxy_app(scope, receive, send) -> None:
             recorder.record_refused(ctx, status=exc.status, code=exc.code)
         if not state["started"]:
             body = _error_for_path(scope["path"], exc.status, exc.message, exc.body())
-            await _send_json(send, exc.status, body, request_id=request_id,
+            await _send_json(send, exc.status, body, request_id=ctx.answer_request_id,
                              headers=[*(exc.headers or []), *ctx.rate_headers, server_timing(started)])
     except Exception:
         log.exception("proxy failed on %s %s (request %s)", scope.get("method"), scope.get("path"), request_id)
@@ -413,7 +417,7 @@ async def proxy_app(scope, receive, send) -> None:
             message = "Internal proxy error; the server log has the details."
             body = json.dumps(error_body(message, status=500, code="internal_error")).encode()
             body = _error_for_path(scope["path"], 500, message, body)
-            await _send_json(send, 500, body, request_id=request_id,
+            await _send_json(send, 500, body, request_id=ctx.answer_request_id,
                              headers=[*ctx.rate_headers, server_timing(started)])
 
 
@@ -442,24 +446,100 @@ def server_timing(started: float, reply: UpstreamReply | None = None, *, exclude
 
 
 # ---------------------------------------------------------------- request bodies
-MULTIPART_MODEL_RE = re.compile(
-    rb'content-disposition:[^\r\n]*\bname="?model"?(?:;[^\r\n]*)?\r\n(?:[^\r\n]+\r\n)*\r\n(.*?)\r\n--',
-    re.IGNORECASE | re.DOTALL)
+# The media types a body may come as (an allowlist, matched lower-cased: llama-server matches
+# case-sensitively and read a JSON body sent as `Multipart/form-data` as JSON while the proxy took
+# it for a form). All but a form are read as JSON and sent on as application/json
+# (upstream.forwarded_content_type), so the console and the engine read one body alike.
+JSON_MEDIA_TYPES = frozenset({
+    b"",  # none given: JSON, as the OpenAI SDKs send
+    b"application/json",
+    b"application/x-www-form-urlencoded",  # what `curl -d` labels the JSON it sends
+})
+MULTIPART_PATHS = frozenset({"/v1/audio/transcriptions", "/v1/audio/translations"})  # the routes taking a form
+DISPOSITION_NAME_RE = re.compile(rb'(?:^|;)\s*name\s*=\s*(?:"([^"]*)"|([^;\s]*))', re.IGNORECASE)
 
 
-def request_payload(body: bytes, headers: dict[bytes, bytes]) -> dict:
-    """What routing reads of a body: the JSON object, or the `model` field of a multipart form
-    (audio uploads); ProxyError 400 for anything else."""
-    content_type = headers.get(b"content-type", b"").lower()
-    if content_type.startswith(b"multipart/form-data"):
-        found = MULTIPART_MODEL_RE.search(body)
-        if found is None:
-            return {}
-        try:
-            return {"model": found.group(1).decode("utf-8").strip()}
-        except UnicodeDecodeError:
-            raise ProxyError(400, "The form's `model` field is not UTF-8.", code="invalid_request") from None
-    return parse_body(body)
+def media_type(headers: dict[bytes, bytes]) -> tuple[bytes, bytes]:
+    """(the lower-cased media type, its parameters) of the request's Content-Type."""
+    media, _, params = headers.get(b"content-type", b"").partition(b";")
+    return media.strip().lower(), params
+
+
+def request_payload(body: bytes, headers: dict[bytes, bytes], *, path: str = "") -> dict:
+    """What routing reads of a body: the JSON object, or the `model` field of a multipart form on
+    the routes that take one (`path`, the backend's); 415 for a media type the proxy does not read
+    (or a form elsewhere), 400 for a body that is not what its type says."""
+    media, params = media_type(headers)
+    if media == b"multipart/form-data":
+        if path not in MULTIPART_PATHS:
+            raise ProxyError(415, f"{path or 'This route'} takes a JSON body (Content-Type: application/json), "
+                                  "not a multipart form.", code="unsupported_media_type")
+        return multipart_model(body, params)
+    if media not in JSON_MEDIA_TYPES or _param(params, b"charset") not in (None, b"utf-8"):
+        forms = " or a multipart form" if path in MULTIPART_PATHS else ""
+        raise ProxyError(415, f"Content-Type {headers.get(b'content-type', b'').decode('latin-1')[:100]!r} is not "
+                              f"accepted; send JSON (application/json, UTF-8){forms}.", code="unsupported_media_type")
+    if json.detect_encoding(body) not in ("utf-8", "utf-8-sig"):
+        raise ProxyError(400, "The request body is JSON in another encoding than UTF-8.", code="invalid_json")
+    try:
+        return parse_body(body)
+    except ProxyError:
+        if media == b"application/x-www-form-urlencoded":
+            raise ProxyError(415, "The body is labelled a form (application/x-www-form-urlencoded) and is not "
+                                  "a JSON object; send JSON with Content-Type: application/json.",
+                             code="unsupported_media_type") from None
+        raise
+
+
+def _param(params: bytes, name: bytes) -> bytes | None:
+    """A Content-Type parameter's value, lower-cased and unquoted; None when absent."""
+    for param in params.split(b";"):
+        key, sep, value = param.partition(b"=")
+        if sep and key.strip().lower() == name:
+            return value.strip().strip(b'"').lower()
+    return None
+
+
+def multipart_model(body: bytes, params: bytes) -> dict:
+    """The `model` field of a multipart form, found as a form parser finds it: parts between the
+    boundary lines that the Content-Type names, a part's headers up to its blank line; 400 for a
+    body that is not such a form, or names `model` twice."""
+    boundary = multipart_boundary(params)
+    if boundary is None:
+        raise ProxyError(400, "A multipart Content-Type needs a valid boundary parameter.", code="invalid_request")
+    delimiter = b"--" + boundary
+    if not body.startswith(delimiter + b"\r\n"):
+        raise ProxyError(400, "The body is not the multipart form its Content-Type says (it does not start with "
+                              "its boundary line).", code="invalid_request")
+    found: list[bytes] = []
+    pos = len(delimiter) + 2
+    separator = b"\r\n" + delimiter
+    while True:
+        end = body.find(separator, pos)
+        if end < 0:
+            raise ProxyError(400, "The multipart form ends without its closing boundary.", code="invalid_request")
+        head_end = body.find(b"\r\n\r\n", pos, end)
+        head = body[pos:head_end] if head_end >= 0 else b""
+        for line in head.split(b"\r\n"):
+            name, _, value = line.partition(b":")
+            if name.strip().lower() == b"content-disposition":
+                named = DISPOSITION_NAME_RE.search(value)
+                if named and (named.group(1) if named.group(1) is not None else named.group(2)) == b"model":
+                    found.append(body[head_end + 4:end])
+        after = body[end + len(separator):end + len(separator) + 2]
+        if after == b"--":
+            break
+        if after != b"\r\n":
+            raise ProxyError(400, "The multipart form has a malformed boundary line.", code="invalid_request")
+        pos = end + len(separator) + 2
+    if len(found) > 1:
+        raise ProxyError(400, "The form names `model` more than once.", code="invalid_request")
+    if not found:
+        return {}
+    try:
+        return {"model": found[0].decode("utf-8")}
+    except UnicodeDecodeError:
+        raise ProxyError(400, "The form's `model` field is not UTF-8.", code="invalid_request") from None
 
 
 async def resolve_alias(payload: dict, body: bytes, *, multipart: bool = False) -> tuple[dict, bytes]:
@@ -503,7 +583,6 @@ def backend_serves(backend: Backend, path: str) -> bool:
 
 
 async def _handle(scope, receive, send, headers: dict[bytes, bytes], ctx: RequestContext, started: float) -> None:
-    request_id = ctx.request_id
     path: str = scope["path"]
     method: str = scope["method"]
     headers = anthropic.with_api_key_auth(headers)
@@ -533,16 +612,15 @@ async def _handle(scope, receive, send, headers: dict[bytes, bytes], ctx: Reques
             answer = await list_models(kind=only, principal=principal)
         else:
             answer = await get_model(path.rsplit("/v1/models/", 1)[1], kind=only, principal=principal)
-        await _send_json(send, 200, json.dumps(answer).encode(), request_id=request_id,
+        await _send_json(send, 200, json.dumps(answer).encode(), request_id=ctx.answer_request_id,
                          headers=[*await peek_headers(principal), server_timing(started)])
         return
 
     body = await read_body(receive, headers, limit=settings.PROXY_MAX_BODY_BYTES, timeout_s=settings.BODY_TIMEOUT_S)
     if body is None:
         return  # the client left while sending
-    payload = request_payload(body, headers)
-    payload, body = await resolve_alias(payload, body,
-                                        multipart=headers.get(b"content-type", b"").lower().startswith(b"multipart/"))
+    payload = request_payload(body, headers, path=route.upstream_path)
+    payload, body = await resolve_alias(payload, body, multipart=media_type(headers)[0] == b"multipart/form-data")
     ctx.principal = principal  # from here on, the request is in the request log
     body = await admit_request(ctx, payload, body, operation=usage_operation(route.upstream_path))
     try:
@@ -669,7 +747,7 @@ async def _cold_candidates(scope, receive, send, payload: dict, route: Route, ct
                 flags["sse"] = ctx.comments_sent = True
                 await send({"type": "http.response.start", "status": 200, "headers": [
                     (b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
-                    (b"x-request-id", ctx.request_id.encode()),
+                    (b"x-request-id", ctx.answer_request_id.encode()),
                     (b"x-xgen-cold-start", f"{time.perf_counter() - start.began:.2f}".encode())]})
             await send({"type": "http.response.body", "body": f": loading {start.pct}%\n\n".encode(),
                         "more_body": True})

@@ -23,21 +23,33 @@ from serving.usage import RequestContext, recorder
 
 log = logging.getLogger("xgen.proxy")
 
-# Never forwarded to a backend: hop-by-hop headers, our own auth and session, and what the client sets.
-DROP_REQUEST_HEADERS = frozenset({
-    b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"proxy-connection",
-    b"te", b"trailer", b"trailers", b"transfer-encoding", b"upgrade", b"host", b"authorization",
-    b"cookie", b"content-length", b"x-csrftoken", b"x-request-id", b"expect", b"x-api-key",
-})
-DROP_RESPONSE_HEADERS = frozenset({
-    b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"proxy-connection", b"te",
-    b"trailer", b"trailers", b"transfer-encoding", b"upgrade", b"date", b"server", b"x-request-id", b"set-cookie",
-    # A backend's CORS answer (llama-server and llama-cpp-python echo any Origin): the console's
-    # clients get none of it; every response header CORS defines.
-    b"access-control-allow-origin", b"access-control-allow-credentials", b"access-control-allow-methods",
-    b"access-control-allow-headers", b"access-control-expose-headers", b"access-control-max-age",
-    b"access-control-allow-private-network",
-})
+# What of a caller's request reaches a backend: these headers only (an allowlist: a header the
+# console does not know may change what an engine does; llama-server's X-Conversation-Id made a
+# stream outlive its client and let another key end it), each for its reason. Everything else
+# stays here: hop-by-hop headers, Host, the caller's credentials and cookies (the console's own
+# auth), X-Request-ID (the console sends its own), Accept-Encoding (the proxy reads usage and SSE
+# events out of the answers: they must come uncompressed), X-Conversation-Id, anything custom.
+FORWARD_REQUEST_HEADERS: dict[bytes, str] = {
+    b"accept": "what the client takes (JSON or text/event-stream); the engines may choose by it",
+    b"traceparent": "W3C trace context: a trace goes on through the engine (vLLM's OpenTelemetry)",
+    b"tracestate": "W3C trace context, with traceparent",
+    b"anthropic-version": "the Messages API version the client speaks (llama-server, vLLM serve /v1/messages)",
+    b"anthropic-beta": "the Messages API features the client asks for",
+    b"openai-beta": "the OpenAI API beta features the client asks for (Responses, Assistants)",
+}
+# Set by the proxy itself: content-type (normalised, the one the body was parsed by:
+# forwarded_content_type), content-length and host (http1.py), x-request-id (the console's own id).
+# What of a backend's answer reaches the client: these headers (an allowlist: a backend's own
+# Set-Cookie, Server, its Access-Control-* that echo any Origin, its request id, hop-by-hop and
+# whatever an engine adds stay here), each for its reason.
+FORWARD_RESPONSE_HEADERS: dict[bytes, str] = {
+    b"content-type": "what the body is (JSON, SSE, audio...)",
+    b"content-length": "the body's size (the relay drops it where it rewrites the body)",
+    b"content-disposition": "the file name of a binary answer (audio/speech)",
+    b"cache-control": "SSE streams say no-cache",
+    b"x-accel-buffering": "tells a reverse proxy in front of the console not to buffer a stream",
+    b"retry-after": "when a backend that refused (429, 503) takes requests again",
+}
 USAGE_RE = re.compile(rb'"(prompt_tokens|completion_tokens)"\s*:\s*(\d+)')
 USAGE_TAIL = 4096  # usage sits at the end of a JSON answer and in a stream's last chunks
 # A stream event that carries generated text (chat delta content, a completion's text). A backend
@@ -105,14 +117,19 @@ class UpstreamReply:
         return self.response.status
 
     @property
+    def answer_request_id(self) -> str:
+        """The X-Request-ID the client gets (the caller's own, else the console's, sent to the backend)."""
+        return self.ctx.answer_request_id if self.ctx is not None else self.request_id
+
+    @property
     def is_sse(self) -> bool:
         return self.response.content_type == "text/event-stream"
 
     def headers(self) -> list[tuple[bytes, bytes]]:
-        """Response headers for the client: hop-by-hop dropped, the request id added."""
-        drop = DROP_RESPONSE_HEADERS
-        out = [(k, v) for k, v in self.response.headers if k not in drop]
-        out.append((b"x-request-id", self.request_id.encode()))
+        """Response headers for the client: those FORWARD_RESPONSE_HEADERS lets through, the request id added."""
+        keep = FORWARD_RESPONSE_HEADERS
+        out = [(k, v) for k, v in self.response.headers if k in keep]
+        out.append((b"x-request-id", self.answer_request_id.encode()))
         if self.ctx is not None:
             out.extend(self.ctx.rate_headers)
             out.extend(self.ctx.extra_headers)
@@ -284,25 +301,56 @@ def _event_end(data: bytes) -> int:
 
 
 def forward_headers(raw: list[tuple[bytes, bytes]], request_id: str) -> bytes:
-    """The caller's headers minus hop-by-hop, Host, auth and cookies; plus X-Request-ID (and a JSON
-    Content-Type when the caller sent none: every body the proxy forwards is JSON or its own
-    multipart form), as `name: value` lines ready for the request."""
-    drop = DROP_REQUEST_HEADERS
-    for name, value in raw:
-        if name == b"connection":  # headers it lists are hop-by-hop too
-            drop = drop | {token.strip().lower() for token in value.split(b",")}
+    """The caller's headers that FORWARD_REQUEST_HEADERS lets through (none that its Connection
+    header names), the content type the body was parsed by (forwarded_content_type) and the
+    console's own X-Request-ID, as `name: value` lines ready for the request."""
+    keep = FORWARD_REQUEST_HEADERS
     lines = []
-    typed = False
+    content_type = b""
+    hop: set[bytes] = set()
     for name, value in raw:
         name = name.lower()
-        if name in drop or b"\r" in value or b"\n" in value:
-            continue
-        typed = typed or name == b"content-type"
-        lines.append(b"%s: %s\r\n" % (name, value))
-    if not typed:
-        lines.append(b"content-type: application/json\r\n")
-    lines.append(b"x-request-id: %s\r\n" % request_id.encode("latin-1"))
-    return b"".join(lines)
+        if name == b"content-type":
+            content_type = value
+        elif name == b"connection":  # headers it lists are hop-by-hop, even ones kept otherwise
+            hop.update(token.strip().lower() for token in value.split(b","))
+        elif name in keep and b"\r" not in value and b"\n" not in value:
+            lines.append((name, value))
+    out = [b"%s: %s\r\n" % (name, value) for name, value in lines if name not in hop]
+    out.append(b"content-type: %s\r\n" % forwarded_content_type(content_type))
+    out.append(b"x-request-id: %s\r\n" % request_id.encode("latin-1"))
+    return b"".join(out)
+
+
+def forwarded_content_type(value: bytes) -> bytes:
+    """The content type a body goes to a backend with: the proxy parsed it as JSON unless it is a
+    multipart form (serving.proxy.app.request_payload refuses every other type), so JSON is sent as
+    `application/json` (also what `curl -d` labels x-www-form-urlencoded) and a form with its media
+    type lower-cased and only its boundary kept."""
+    media, _, params = value.partition(b";")
+    if media.strip().lower() != b"multipart/form-data":
+        return b"application/json"
+    boundary = multipart_boundary(params) or b""
+    if not TOKEN_RE.fullmatch(boundary):
+        boundary = b'"' + boundary + b'"'
+    return b"multipart/form-data; boundary=" + boundary
+
+
+MULTIPART_BOUNDARY_RE = re.compile(rb"[0-9A-Za-z'()+_,\-./:=? ]{0,69}[0-9A-Za-z'()+_,\-./:=?]")  # RFC 2046
+TOKEN_RE = re.compile(rb"[0-9A-Za-z!#$%&'*+\-.^_`|~]+")  # RFC 9110: a parameter value that needs no quotes
+
+
+def multipart_boundary(params: bytes) -> bytes | None:
+    """The boundary in a multipart Content-Type's parameters (1-70 characters of RFC 2046's set,
+    quoted or not); None when there is none or it is not a valid one."""
+    for param in params.split(b";"):
+        name, _, raw = param.partition(b"=")
+        if name.strip().lower() == b"boundary":
+            raw = raw.strip()
+            if len(raw) >= 2 and raw[:1] == raw[-1:] == b'"':
+                raw = raw[1:-1]
+            return raw if MULTIPART_BOUNDARY_RE.fullmatch(raw) else None
+    return None
 
 
 async def open_upstream(*, path: str, query: bytes, body: bytes, candidates: list[Backend],

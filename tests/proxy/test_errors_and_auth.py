@@ -197,36 +197,55 @@ def test_an_upstream_that_fails_before_answering_is_502(served, backends):
 
 
 def test_what_reaches_the_backend_and_what_comes_back(served, echo_backend):
+    """Request headers by allowlist (issue 34 #8): the trace context, Accept and the API version
+    headers go on; the caller's credentials, hop-by-hop headers, X-Conversation-Id, Accept-Encoding
+    and anything custom do not. The backend gets the console's own id, the caller its own back."""
     r = _post(
         served,
         "/v1/chat/completions",
         json=CHAT,
         headers={
             "X-Request-ID": "req-123.abc",
-            "Connection": "keep-alive, x-private",
+            "Connection": "keep-alive, x-private, openai-beta",
             "Proxy-Authorization": "secret",
             "TE": "trailers",
             "Cookie": "sessionid=abc",
-            "X-Custom": "kept",
+            "X-Custom": "not for the backend",
             "Keep-Alive": "timeout=5",
             "X-Private": "listed in Connection: hop-by-hop",
+            "OpenAI-Beta": "listed in Connection too",
+            "X-Conversation-Id": "conv-1",
+            "Accept-Encoding": "gzip",
+            "Traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+            "Tracestate": "congo=t61rcWkgMzE",
+            "Anthropic-Version": "2023-06-01",
+            "Accept": "application/json",
         },
     )
     assert r.status_code == 200
     seen = r.json()["headers"]
     assert seen["host"] == f"127.0.0.1:{echo_backend.port}"
-    for hidden in ("authorization", "cookie", "proxy-authorization", "te", "keep-alive", "x-private"):
+    for hidden in ("authorization", "cookie", "proxy-authorization", "te", "keep-alive", "x-private", "x-custom",
+                   "openai-beta", "x-conversation-id", "x-api-key"):
         assert hidden not in seen, hidden
-    assert seen.get("connection", "keep-alive") == "keep-alive"  # aiohttp's own, not the caller's
-    assert seen["x-custom"] == "kept" and seen["x-request-id"] == "req-123.abc"
-    assert r.headers["x-request-id"] == "req-123.abc" and r.headers["x-backend"] == "echo"
-    assert "set-cookie" not in r.headers
+    assert seen.get("accept-encoding", "identity") == "identity"  # aiohttp's own default, never the caller's gzip
+    assert seen.get("connection", "keep-alive") == "keep-alive"  # the client's own, not the caller's
+    assert seen["traceparent"] == "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    assert seen["tracestate"] == "congo=t61rcWkgMzE" and seen["anthropic-version"] == "2023-06-01"
+    assert seen["accept"] == "application/json" and seen["content-type"] == "application/json"
+    assert re.fullmatch(r"[0-9a-f]{32}", seen["x-request-id"])  # the console's UUIDv7, not the caller's
+    assert r.headers["x-request-id"] == "req-123.abc"
+    # Response headers by allowlist too: the backend's own cookie, server and custom headers stay.
+    assert "set-cookie" not in r.headers and "x-backend" not in r.headers
+    assert "aiohttp" not in r.headers.get("server", "").lower()
     assert r.json()["body"] == CHAT
 
-    odd = _post(served, "/v1/chat/completions", json=CHAT, headers={"X-Request-ID": "bad id\twith spaces"})
-    new_id = odd.headers["x-request-id"]
-    assert re.fullmatch(r"[0-9a-f]{32}", new_id) and odd.json()["headers"]["x-request-id"] == new_id
+    plain = _post(served, "/v1/chat/completions", json=CHAT)
+    new_id = plain.headers["x-request-id"]
+    assert re.fullmatch(r"[0-9a-f]{32}", new_id) and plain.json()["headers"]["x-request-id"] == new_id
     assert re.fullmatch(r"[0-9a-f]{32}", _post(served, "/v1/nope").headers["x-request-id"])
+    odd = _post(served, "/v1/chat/completions", json=CHAT, headers={"X-Request-ID": "bad id\twith a tab"})
+    _error(400, "invalid_request_error", "invalid_request_id")(odd)
 
 
 def test_a_json_answer_cut_by_the_backend_reaches_the_client_as_cut(served):
