@@ -409,6 +409,10 @@ async def proxy_app(scope, receive, send) -> None:
             body = _error_for_path(scope["path"], exc.status, exc.message, exc.body())
             await _send_json(send, exc.status, body, request_id=ctx.answer_request_id,
                              headers=[*(exc.headers or []), *ctx.rate_headers, server_timing(started)])
+    except asyncio.CancelledError:
+        if not ondemand.shutting_down():
+            raise
+        await _cut_by_shutdown(send, scope["path"], started=state["started"])
     except Exception:
         log.exception("proxy failed on %s %s (request %s)", scope.get("method"), scope.get("path"), request_id)
         if ctx.principal is not None:
@@ -419,6 +423,20 @@ async def proxy_app(scope, receive, send) -> None:
             body = _error_for_path(scope["path"], 500, message, body)
             await _send_json(send, 500, body, request_id=ctx.answer_request_id,
                              headers=[*ctx.rate_headers, server_timing(started)])
+
+
+async def _cut_by_shutdown(send, path: str, *, started: bool) -> None:
+    """The server's shutdown grace ran out with this request still answering (SIGTERM): it ends
+    here, told so (an SSE error event, or a 503), instead of a cut connection and a traceback. Its
+    request-log row comes from where it stood (the relay's own accounting)."""
+    asyncio.current_task().uncancel()
+    error = ProxyError(503, "The console is shutting down; this answer was cut short.", code="shutting_down")
+    with contextlib.suppress(Exception):
+        if started:
+            await send({"type": "http.response.body", "body": b"data: " + error.body() + b"\n\n", "more_body": False})
+        else:
+            await _send_json(send, 503, _error_for_path(path, 503, error.message, error.body()),
+                             headers=[(b"retry-after", b"2")])
 
 
 def _error_for_path(path: str, status: int, message: str, body: bytes) -> bytes:

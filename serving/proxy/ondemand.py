@@ -280,6 +280,7 @@ class ModelGate:
         self._by_owner: dict[str, list[_Waiter]] = {}  # each owner's waiters, oldest first
         self._seq = itertools.count()
         self.hold_s = 1.0  # a moving average of how long a request holds a slot (for Retry-After)
+        self.closed = False  # the process is shutting down: nothing more waits here
 
     def retry_after(self) -> int:
         return max(1, math.ceil(self.hold_s * (self.waiting + 1) / max(self.capacity, 1)))
@@ -317,6 +318,8 @@ class ModelGate:
         if self.active < capacity and not self.waiting:
             self.active += 1
             return Slot(gate=self)
+        if self.closed:
+            raise _shutting_down()
         if self.waiting >= settings.QUEUE_MAX and not self._make_room_for(owner):
             raise self._full(f"{self.waiting} requests wait, XGEN_QUEUE_MAX is {settings.QUEUE_MAX}")
         waiter = _Waiter(owner=owner, future=asyncio.get_running_loop().create_future())
@@ -350,6 +353,20 @@ class ModelGate:
             fut.cancel()
         self._forget(waiter)
         self.waiting -= 1
+
+    def close(self) -> int:
+        """Answer every waiter 503 shutting_down (the process stops: what waits would only be cut
+        off when the server gives up on it); later requests that would wait get the same. Returns
+        how many were waiting."""
+        self.closed = True
+        waiters = [w for _, _, _, w in self._heap if not w.future.done()]
+        self._heap.clear()
+        self._by_owner.clear()
+        self.waiting = 0
+        for waiter in waiters:
+            waiter.future.set_exception(_shutting_down())
+        metrics.QUEUE_DEPTH.labels(self.model).set(0)
+        return len(waiters)
 
     def release(self, held_s: float | None) -> None:
         if held_s is not None:
@@ -394,6 +411,27 @@ def queue_owner(principal: Principal | None, client: str = "") -> str:
     if principal is None:
         return f"addr:{client}"
     return f"key:{principal.key_id}" if principal.key_id else f"user:{principal.user_id}"
+
+
+def _shutting_down() -> ProxyError:
+    return ProxyError(503, "The console is shutting down; try again in a moment.", code="shutting_down",
+                      headers=[(b"retry-after", b"2")])
+
+
+_closing = [False]
+
+
+def close_queues() -> int:
+    """At shutdown (SIGTERM): every model's queue answers its waiters 503 at once, instead of
+    their waiting for slots that the streams in flight hold until the server's grace runs out.
+    Returns how many were waiting."""
+    _closing[0] = True
+    return sum(gate.close() for gate in list(_gates.values()))
+
+
+def shutting_down() -> bool:
+    """Whether this process was told to stop (close_queues ran)."""
+    return _closing[0]
 
 
 def queue_depth(model: str) -> int:

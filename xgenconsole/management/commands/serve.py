@@ -85,10 +85,17 @@ class Command(BaseCommand):
                     for sig in (signal.SIGINT, signal.SIGTERM):
                         loop.remove_signal_handler(sig)
 
+            def handle_exit(self, sig: int, frame: object | None) -> None:
+                from serving.proxy.ondemand import close_queues
+
+                close_queues()  # what waits in a queue is answered now, not cut off after the grace
+                super().handle_exit(sig, frame)
+
         # httptools with the head deadline, the head size cap and the connection cap (xgenconsole.http_edge).
         http = guarded_protocol(head_timeout_s=settings.HEAD_TIMEOUT_S, max_head_bytes=settings.MAX_HEAD_BYTES,
                                 max_connections=settings.MAX_CONNECTIONS) if head_limits else "httptools"
-        config = uvicorn.Config(application, host=host, port=port, lifespan="on", log_level="warning", http=http)
+        config = uvicorn.Config(application, host=host, port=port, lifespan="on", log_level="warning", http=http,
+                                timeout_graceful_shutdown=settings.SHUTDOWN_GRACE_S)
         web = Server(config)
         agent = self._make_agent(with_agent)
         stop = asyncio.Event()
