@@ -41,7 +41,7 @@ def parse_extra_args(text: str) -> dict[str, object]:
 
 
 class LoadForm(forms.Form):
-    model_path = forms.CharField(max_length=1024, label="Model (store prefix or absolute path on the node)")
+    model_path = forms.CharField(max_length=1024, label="Model (store prefix, or absolute path on the node under XGEN_IMPORT_DIRS)")
     model_name = forms.CharField(max_length=128, required=False, label="Served name (what clients put in model)")
     server_type = forms.ChoiceField(choices=[("llm", "LLM (chat, completions)"), ("embedding", "Embedding"),
                                              ("rerank", "Reranker (rerank, score)")],
