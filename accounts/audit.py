@@ -13,7 +13,7 @@ log = logging.getLogger("xgen.audit")
 # The actions the console records (api.md); others may be added, never renamed.
 ACTIONS = (
     "login", "login_failed", "login_locked", "logout", "load", "unload", "restart", "start", "model_delete", "download", "upload",
-    "key_create", "key_change", "key_revoke", "user_create", "user_change",
+    "key_create", "key_change", "key_revoke", "user_create", "user_change", "password_change",
 )
 
 

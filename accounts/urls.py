@@ -10,6 +10,7 @@ urlpatterns = [
         name="login",
     ),
     path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),
+    path("accounts/password/", views.PasswordChange.as_view(), name="password-change"),
     path("users/", views.users_page, name="users"),
     path("users/<int:user_id>/", views.user_edit, name="user-edit"),
     path("keys/", views.keys_page, name="keys"),

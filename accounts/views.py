@@ -3,12 +3,16 @@ edit limits, revoke) and the audit log."""
 from __future__ import annotations
 
 from django.contrib import messages
+from django.contrib.auth.forms import PasswordChangeForm
+from django.contrib.auth.views import PasswordChangeView
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
+from django.urls import reverse_lazy
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
 from accounts.audit import ACTIONS, record_audit
 from accounts.auth import role_required
+from accounts.credentials import notify_changed
 from accounts.forms import ApiKeyCreateForm, ApiKeyEditForm, UserCreateForm, UserEditForm
 from accounts.models import ApiKey, AuditEvent, AuditOutcome, Role, User
 from accounts.query import query_int
@@ -22,6 +26,26 @@ from accounts.services import (
 )
 
 AUDIT_PAGE_SIZE = 100
+
+
+class PasswordChange(PasswordChangeView):
+    """Any signed-in user changes their own password (the old one first; Django's validators on the
+    new one); the session stays signed in, the change is audited."""
+
+    template_name = "accounts/password_change.html"
+    success_url = reverse_lazy("home")
+
+    def form_valid(self, form: PasswordChangeForm) -> HttpResponse:
+        response = super().form_valid(form)
+        notify_changed("sessions")  # the user's other sessions end (Django's session hash), the proxy's too
+        record_audit(action="password_change", target=self.request.user.get_username(), request=self.request)
+        messages.success(self.request, "Your password is changed.")
+        return response
+
+    def form_invalid(self, form: PasswordChangeForm) -> HttpResponse:
+        record_audit(action="password_change", target=self.request.user.get_username(), request=self.request,
+                     outcome=AuditOutcome.REFUSED, detail={"errors": sorted(form.errors)})
+        return super().form_invalid(form)
 
 
 @role_required(Role.ADMIN)

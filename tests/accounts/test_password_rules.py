@@ -52,3 +52,32 @@ def test_a_strong_password_is_taken_everywhere(admin, viewer):
                        {"role": "viewer", "is_active": "on", "new_password": "Copper-Meadow-318"}).status_code == 302
     viewer.user.refresh_from_db()
     assert viewer.user.check_password("Copper-Meadow-318")
+
+
+@pytest.mark.parametrize("password", ["password", "12345678", "victor-viewer-1"])
+def test_changing_ones_own_password_refuses_a_weak_one(viewer, password):
+    client = Client()
+    client.force_login(viewer.user)
+    response = client.post(reverse("password-change"), {"old_password": viewer.password, "new_password1": password,
+                                                        "new_password2": password})
+    assert response.status_code == 200 and "new_password2" in response.context["form"].errors
+    viewer.user.refresh_from_db()
+    assert viewer.user.check_password(viewer.password)
+
+
+def test_changing_ones_own_password(viewer):
+    from accounts.models import AuditEvent
+
+    client = Client()
+    client.force_login(viewer.user)
+    assert client.get(reverse("password-change")).status_code == 200
+    response = client.post(reverse("password-change"), {"old_password": viewer.password,
+                                                        "new_password1": "Velvet-Orchard-552",
+                                                        "new_password2": "Velvet-Orchard-552"})
+    assert response.status_code == 302
+    viewer.user.refresh_from_db()
+    assert viewer.user.check_password("Velvet-Orchard-552")
+    assert client.get("/instances/").status_code == 200  # still signed in
+    assert AuditEvent.objects.filter(action="password_change", target=viewer.user.username,
+                                     outcome="success").exists()
+    assert Client().get(reverse("password-change")).status_code == 302  # anonymous: to the login page
