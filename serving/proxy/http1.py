@@ -146,7 +146,7 @@ class Response:
     def _end(self, error: UpstreamError | None = None) -> None:
         if error is None:
             self._complete = True
-        elif not self._complete:
+        elif not self._complete and self._error is None:  # the first reason stands
             self._error = error
         self._wake()
 
@@ -366,6 +366,7 @@ class _Connection(asyncio.Protocol):
             waiter.set_exception(error)
         elif self.response is not None:
             self.response._end(error)
+            self.response = None  # ended here: the close that follows cannot end it otherwise (cleanly)
         self.close()
 
     def check_waits(self, now: float) -> None:

@@ -573,3 +573,23 @@ async def test_a_pooled_connection_seen_closed_before_reuse_is_not_used(client, 
         assert len(requests) == 2
     finally:
         listener.close()
+
+
+async def test_a_timed_out_answer_stays_failed_when_its_close_follows(waits):
+    """A body to the close, stalled: the idle timeout closes the connection, and that close must
+    not then end the body as if the backend had (a truncated answer read as whole), nor replace
+    the timeout with another error, when the reader comes back later."""
+    client = waits(first_byte_s=30, idle_s=0.3)
+
+    async def answer(request, writer):
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\nthe start")
+        await writer.drain()
+        await asyncio.sleep(5)
+
+    async with Backend(answer) as backend:
+        response = await client.post(backend.url, "/x", b"", b"")
+        chunks = response.iter_any()
+        assert await chunks.__anext__() == b"the start"
+        await asyncio.sleep(0.8)  # not reading: the wait fires, then the connection's close
+        with pytest.raises(http1.IdleTimeout):
+            await chunks.__anext__()
