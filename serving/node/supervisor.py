@@ -373,19 +373,18 @@ class Supervisor(AgentWorker):
             await db_mark(run.instance_id, ModelInstance.mark_error, f"cannot start: {exc}", last_error=str(exc))
             return LOAD_FAILED
         run.port, run.secret = port, secret
-        await self._wait_for_evictions(run.instance_id)
-        log_path = current_log(run.instance_id)
-        run.process = await spawn_backend(argv, env=env, log_path=log_path,
-                                          previous_log=previous_log(run.instance_id))
-        run.adopted = False
-        await db_mark(run.instance_id, ModelInstance.mark_loading, pid=run.process.pid, pgid=run.process.pgid,
-                      port=port, gpus=list(plan.gpus), message=f"starting {plan.backend} on port {port}",
-                      backend_key=secret)
-        self._start_tailer(run, log_path, from_start=True)
-        timeout = run.adapter.load_timeout_s()
         try:
-            verdict = await self._wait_healthy(run, timeout)
-        finally:  # read at its start; the row keeps the secret for the proxy and the next agent
+            await self._wait_for_evictions(run.instance_id)
+            log_path = current_log(run.instance_id)
+            run.process = await spawn_backend(argv, env=env, log_path=log_path,
+                                              previous_log=previous_log(run.instance_id))
+            run.adopted = False
+            await db_mark(run.instance_id, ModelInstance.mark_loading, pid=run.process.pid, pgid=run.process.pgid,
+                          port=port, gpus=list(plan.gpus), message=f"starting {plan.backend} on port {port}",
+                          backend_key=secret)
+            self._start_tailer(run, log_path, from_start=True)
+            verdict = await self._wait_healthy(run, run.adapter.load_timeout_s())
+        finally:  # read at its start (or never: a failed spawn, an unload meanwhile); the row keeps the secret
             key_file.unlink(missing_ok=True)
         if verdict != "ok":
             return await self._failed_load(run, verdict)

@@ -3,6 +3,7 @@ requires (llama-server reads it from a 0600 file, llama-cpp-python from its envi
 agent's health check and warm-up send it, no argv, log or key file keeps it. Real engines."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -22,6 +23,18 @@ def _load(path: Path, name: str, backend: str) -> ModelInstance:
     from serving.services import request_load
 
     return request_load(model_path=str(path), model_name=name, backend=backend)
+
+
+def _start_with_plan(model: Path, name: str, change: Callable[[list[str]], list[str]]) -> ModelInstance:
+    """A llama-server instance started with its stored argv changed by `change` (on_demand: it
+    stays IDLE, with no process, until the plan is changed)."""
+    from serving.services import request_load, request_start
+
+    llama_server_binary()
+    inst = request_load(model_path=str(model), model_name=name, backend="llama-server", policy="on_demand")
+    inst.plan["argv"] = change(list(inst.plan["argv"]))
+    ModelInstance.objects.filter(pk=inst.pk).update(plan=inst.plan)
+    return request_start(instance=inst)
 
 
 def _chat(port: int, model: str, secret: str | None = None) -> httpx.Response:
@@ -63,24 +76,25 @@ async def test_a_llama_server_plan_stored_before_secrets_gets_one_too(agent, tin
     """A plan from before backend secrets has no key-file slot in its argv: the agent adds the flag
     (only llama-server takes its secret through argv, as a file; the others read their environment)."""
     from serving.planning import KEY_FILE_SLOT
-    from serving.services import request_load, request_start
 
-    llama_server_binary()
-
-    def load_with_an_old_plan() -> ModelInstance:
-        # on_demand: it stays IDLE (no process) while its stored plan is made what 0.2's planner stored.
-        inst = request_load(model_path=str(tiny_gguf), model_name="old-plan", backend="llama-server",
-                            policy="on_demand")
-        argv = inst.plan["argv"]
+    def as_stored_by_0_2(argv: list[str]) -> list[str]:
         at = argv.index(KEY_FILE_SLOT)
-        inst.plan["argv"] = argv[:at - 1] + argv[at + 1:]
-        ModelInstance.objects.filter(pk=inst.pk).update(plan=inst.plan)
-        return request_start(instance=inst)
+        return argv[:at - 1] + argv[at + 1:]
 
-    inst = await sync_to_async(load_with_an_old_plan)()
+    inst = await sync_to_async(_start_with_plan)(tiny_gguf, "old-plan", as_stored_by_0_2)
     assert "--api-key-file" not in inst.plan["argv"]
     agent.nudge()
     inst = await wait_state(inst.pk, {InstanceState.READY, InstanceState.ERROR})
     assert inst.state == InstanceState.READY, inst.last_error
     assert (await sync_to_async(_chat)(inst.port, inst.model_name)).status_code == 401
     assert (await sync_to_async(_chat)(inst.port, inst.model_name, inst.backend_key)).status_code == 200
+
+
+async def test_no_key_file_is_left_when_the_backend_cannot_start(agent, tiny_gguf):
+    inst = await sync_to_async(_start_with_plan)(tiny_gguf, "no-binary",
+                                                 lambda argv: ["/nonexistent/llama-server", *argv[1:]])
+    agent.nudge()
+    inst = await wait_state(inst.pk, {InstanceState.READY, InstanceState.ERROR})
+    assert inst.state == InstanceState.ERROR and "nonexistent" in inst.last_error, inst.last_error
+    assert not backend_key_file(inst.pk).exists()
+    assert inst.backend_key == ""
