@@ -24,7 +24,7 @@ def locked_out_response(request: HttpRequest, original_response: object = None,
     """The sign-in page again, 429, saying why and for how long (axes calls this with
     (request, response, credentials) or, on its async path, (request, credentials))."""
     message = (f"Too many failed sign-ins for this user name or from this address: sign-in is paused for "
-               f"{cooloff_text()} after the last failure.")
+               f"{cooloff_text()}.")
     context = {"form": AuthenticationForm(request), "locked_out": message, "next": request.POST.get("next", "")}
     response = render(request, "accounts/login.html", context, status=429)
     response["Retry-After"] = str(int(settings.AXES_COOLOFF_TIME.total_seconds()))

@@ -161,6 +161,9 @@ AXES_FAILURE_LIMIT = env_int("XGEN_LOGIN_FAILURE_LIMIT", 10, minimum=1, maximum=
 AXES_COOLOFF_TIME = timedelta(seconds=env_int("XGEN_LOGIN_COOLOFF_S", 900, minimum=1, maximum=7 * 86400))
 AXES_LOCKOUT_PARAMETERS = ["username", "ip_address"]  # each on its own: a name, or an address
 AXES_RESET_ON_SUCCESS = False  # accounts.signin resets the user name's count only (never the address's)
+# Tries during a lockout are refused without a row each (a client trying new names would add one per
+# request) and do not move the cool-off on: it ends XGEN_LOGIN_COOLOFF_S after the lockout began.
+AXES_RESET_COOL_OFF_ON_FAILURE_DURING_LOCKOUT = False
 AXES_CLIENT_IP_CALLABLE = "accounts.audit.client_address"  # the address the audit log shows
 AXES_LOCKOUT_CALLABLE = "accounts.signin.locked_out_response"
 AXES_DISABLE_ACCESS_LOG = True  # sign-ins are in the audit log already

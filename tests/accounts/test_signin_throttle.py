@@ -66,3 +66,14 @@ def test_the_cooloff_ends(admin, settings):
     assert _sign_in("10.0.0.5", admin.user.username, admin.password) == 429
     time.sleep(1.5)
     assert _sign_in("10.0.0.5", admin.user.username, admin.password) == 302
+
+
+def test_tries_during_a_lockout_add_no_rows(admin):
+    from axes.models import AccessAttempt
+
+    for i in range(LIMIT):
+        _sign_in("10.0.0.6", f"name-{i}", "wrong")
+    rows = AccessAttempt.objects.count()
+    for i in range(20):  # new names each time, as a client filling the table would send
+        assert _sign_in("10.0.0.6", f"more-{i}", "wrong") == 429
+    assert AccessAttempt.objects.count() == rows
