@@ -17,6 +17,6 @@ urlpatterns = [
     path("", include("serving.urls")),
 ]
 
+handler400 = "xgenconsole.views.bad_request"
 handler404 = "xgenconsole.views.not_found"
 handler500 = "xgenconsole.views.server_error"
-handler400 = "xgenconsole.views.bad_request"
