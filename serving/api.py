@@ -7,7 +7,7 @@ from django.http import HttpRequest
 from ninja import Router, Status
 
 from accounts.audit import record_audit
-from accounts.auth import api_auth, operator_auth, require_role
+from accounts.auth import api_auth, operator_auth, require_role, visible_models
 from accounts.errors import ApiError
 from serving.models import ModelInstance
 from serving.planning import LoadRefused, local_python, stored_plan
@@ -125,6 +125,9 @@ def start(request: HttpRequest, body: InstanceRef):
 @management_router.get("/instances", response=list[InstanceOut], auth=api_auth, summary="List instances")
 def instances(request: HttpRequest, state: str | None = None):
     qs = ModelInstance.objects.select_related("node")
+    models = visible_models(request)
+    if models is not None:  # a key's allowed_models: its models' instances only
+        qs = qs.filter(model_name__in=sorted(models))
     if state:
         qs = qs.filter(state=state.upper())
     return [instance_out(i) for i in qs[:500]]
@@ -133,6 +136,10 @@ def instances(request: HttpRequest, state: str | None = None):
 @management_router.get("/instances/{instance_id}", response=InstanceOut, auth=api_auth, summary="One instance")
 def instance(request: HttpRequest, instance_id: int):
     try:
-        return instance_out(find_instance(id=instance_id))
+        found = find_instance(id=instance_id)
     except LoadRefused as exc:
         raise _refused(exc) from None
+    models = visible_models(request)
+    if models is not None and found.model_name not in models:
+        raise ApiError(404, f"No instance {instance_id}.", code="instance_not_found")
+    return instance_out(found)

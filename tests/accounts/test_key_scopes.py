@@ -120,6 +120,19 @@ def test_a_key_with_allowed_models_reads_its_models_rows_only(client, admin, vie
     assert {r["model"] for r in everything} == {"ours", "theirs"} and "10.9.9.8" in {r["client"] for r in everything}
 
 
+@pytest.mark.django_db
+def test_a_key_with_allowed_models_lists_its_models_instances_only(client, admin, two_tenants):
+    from serving.models import ModelInstance
+
+    listed = client.get("/api/management/instances", **bearer(two_tenants)).json()
+    assert {i["model_name"] for i in listed} == {"ours"}
+    theirs = ModelInstance.objects.get(model_name="theirs").pk
+    assert client.get(f"/api/management/instances/{theirs}", **bearer(two_tenants)).status_code == 404
+    assert client.get(f"/api/management/instances/{theirs}", **bearer(admin.key)).status_code == 200
+    assert {i["model_name"] for i in client.get("/api/management/instances", **bearer(admin.key)).json()} == {
+        "ours", "theirs"}
+
+
 @pytest.mark.django_db(transaction=True)
 async def test_a_key_with_allowed_models_reads_metrics_of_its_models_only(admin, two_tenants):
     from asgiref.sync import sync_to_async
