@@ -474,7 +474,9 @@ JSON_MEDIA_TYPES = frozenset({
     b"application/x-www-form-urlencoded",  # what `curl -d` labels the JSON it sends
 })
 MULTIPART_PATHS = frozenset({"/v1/audio/transcriptions", "/v1/audio/translations"})  # the routes taking a form
-DISPOSITION_NAME_RE = re.compile(rb'(?:^|;)\s*name\s*=\s*(?:"([^"]*)"|([^;\s]*))', re.IGNORECASE)
+# A Content-Disposition parameter, its value a quoted string (one holding `;name=` is not read as two) or a token.
+DISPOSITION_PARAM_RE = re.compile(rb';\s*([!#$%&\'*+.^_`|~0-9A-Za-z-]+)\s*=\s*(?:"((?:[^"\\]|\\.)*)"|([^;\s]*))')
+
 
 
 def media_type(headers: dict[bytes, bytes]) -> tuple[bytes, bytes]:
@@ -493,7 +495,7 @@ def request_payload(body: bytes, headers: dict[bytes, bytes], *, path: str = "")
             raise ProxyError(415, f"{path or 'This route'} takes a JSON body (Content-Type: application/json), "
                                   "not a multipart form.", code="unsupported_media_type")
         return multipart_model(body, params)
-    if media not in JSON_MEDIA_TYPES or _param(params, b"charset") not in (None, b"utf-8"):
+    if media not in JSON_MEDIA_TYPES or _param(params, b"charset") not in (None, b"utf-8", b"utf8"):
         forms = " or a multipart form" if path in MULTIPART_PATHS else ""
         raise ProxyError(415, f"Content-Type {headers.get(b'content-type', b'').decode('latin-1')[:100]!r} is not "
                               f"accepted; send JSON (application/json, UTF-8){forms}.", code="unsupported_media_type")
@@ -515,6 +517,14 @@ def _param(params: bytes, name: bytes) -> bytes | None:
         key, sep, value = param.partition(b"=")
         if sep and key.strip().lower() == name:
             return value.strip().strip(b'"').lower()
+    return None
+
+
+def _form_name(disposition: bytes) -> bytes | None:
+    """The `name` parameter of a part's Content-Disposition (`form-data; name="model"`)."""
+    for param in DISPOSITION_PARAM_RE.finditer(disposition):
+        if param.group(1).lower() == b"name":
+            return re.sub(rb"\\(.)", rb"\1", param.group(2)) if param.group(2) is not None else param.group(3)
     return None
 
 
@@ -540,10 +550,8 @@ def multipart_model(body: bytes, params: bytes) -> dict:
         head = body[pos:head_end] if head_end >= 0 else b""
         for line in head.split(b"\r\n"):
             name, _, value = line.partition(b":")
-            if name.strip().lower() == b"content-disposition":
-                named = DISPOSITION_NAME_RE.search(value)
-                if named and (named.group(1) if named.group(1) is not None else named.group(2)) == b"model":
-                    found.append(body[head_end + 4:end])
+            if name.strip().lower() == b"content-disposition" and _form_name(value) == b"model":
+                found.append(body[head_end + 4:end])
         after = body[end + len(separator):end + len(separator) + 2]
         if after == b"--":
             break

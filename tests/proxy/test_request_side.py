@@ -83,6 +83,7 @@ def test_a_request_id_that_is_not_printable_ascii_is_refused(engines, sent):
 @pytest.mark.parametrize("content_type", [
     "application/x-www-form-urlencoded",  # what `curl -d` sends with a JSON body
     "Application/JSON; charset=UTF-8",
+    "application/json;charset=utf8",  # how some clients spell it
     None,
 ])
 def test_json_bodies_reach_every_engine_as_json(engines, engine, content_type):
@@ -125,6 +126,11 @@ def test_a_form_is_routed_by_its_model_field_as_the_engine_reads_it(engines):
     # The tiny model has no audio encoder: llama-server's own refusal, not a console's 4xx about the body.
     assert r.headers.get("x-request-id") and r.json()["error"]["code"] not in (
         "invalid_request", "unsupported_media_type", "model_not_found"), r.text
+    # A file named like a parameter is still the file: the model is the form's `model` part.
+    tricky = form.replace(b'filename="model"', b'filename="a;name=model"').replace(b"RIFF0000WAVE", b"rs-lcp")
+    r = httpx.post(f"{console.url}/v1/audio/transcriptions", content=tricky, timeout=30,
+                   headers={**console.auth, "Content-Type": "multipart/form-data; boundary=b1"})
+    assert r.json()["error"]["code"] not in ("invalid_request", "model_not_found", "unsupported_by_backend", "not_found"), r.text
     twice = form.replace(b"--b1--", b"--b1\r\nContent-Disposition: form-data; name=model\r\n\r\nrs-lcp\r\n--b1--")
     r = httpx.post(f"{console.url}/v1/audio/transcriptions", content=twice, timeout=30,
                    headers={**console.auth, "Content-Type": "multipart/form-data; boundary=b1"})
