@@ -446,6 +446,10 @@ class RequestLog(models.Model):
     client = models.CharField(max_length=64, blank=True)
     client_request_id = models.CharField(max_length=128, blank=True, db_index=True,
                                          help_text="the caller's X-Request-ID; request_id is the console's own")
+    usage_source = models.CharField(
+        max_length=8, default="engine",
+        help_text="who counted the tokens: engine (its own usage), console (the engine's prompt count, "
+                  "the events streamed)")
 
     class Meta:
         ordering = ["-at", "-pk"]

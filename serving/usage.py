@@ -42,7 +42,7 @@ REQUEST_ROWS_MAX = 50_000  # rows held while the database is down; the oldest go
 # 13): the frozen start-up heap did (xgenconsole/asgi.py).
 ROW_FIELDS = ("at", "request_id", "key_id", "key_name", "username", "model", "instance_id", "node", "status",
               "error", "ttft_ms", "duration_ms", "prompt_tokens", "completion_tokens", "stream", "client",
-              "client_request_id")
+              "client_request_id", "usage_source")
 GROUPS = {"key": ("key_id", "key_name"), "user": ("username",), "model": ("model",), "node": ("node",),
           "instance": ("instance_id", "model", "node")}
 
@@ -57,6 +57,7 @@ class RequestContext:
     model: str = ""
     stream: bool = False
     drop_usage_chunk: bool = False  # the proxy asked the backend for stream usage the client did not ask for
+    usage_asked: bool = False  # the client's stream asked for usage (stream_options.include_usage)
     rate_headers: list[tuple[bytes, bytes]] = field(default_factory=list)
     extra_headers: list[tuple[bytes, bytes]] = field(default_factory=list)  # X-XGEN-Cold-Start
     comments_sent: bool = False  # a stream's headers went out with `: loading` comments during a cold start
@@ -153,9 +154,33 @@ class UsageRecorder:
 
     def record(self, ctx: RequestContext, *, model: str, instance_id: int, node: str, status: int,
                error: str | None, prompt_tokens: int, completion_tokens: int, busy_s: float,
-               ttft_s: float | None, failed: bool) -> None:
-        """Count one request a backend answered (or broke off), in its hour and the request log."""
+               ttft_s: float | None, failed: bool, ended: float | None = None,
+               usage_source: str = "engine") -> None:
+        """Count one request a backend answered (or broke off), in its hour and the request log.
+        `ended` (perf_counter) when it is recorded later than it ended (once the engine counted its
+        prompt); `usage_source` says who counted its tokens (`engine`, or `console`)."""
         now = time.time()
+        self._count(ctx, now, model, instance_id, node, failed=failed, prompt_tokens=prompt_tokens,
+                    completion_tokens=completion_tokens, busy_s=busy_s)
+        ended = time.perf_counter() if ended is None else ended
+        self.models.add(model=model, duration_s=ended - ctx.t0, ttft_s=ttft_s,
+                        prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, failed=failed, at=now)
+        self._log(ctx, model=model, instance_id=instance_id, node=node, status=status, error=error or "",
+                  prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, ttft_s=ttft_s, ended=ended,
+                  usage_source=usage_source)
+
+    def record_refused(self, ctx: RequestContext, *, status: int, code: str | None) -> None:
+        """A request the proxy answered itself after knowing who sent it (429, 403, 404, 502, 503...):
+        in the request log, and in the key's usage as a request (an error unless the client left)."""
+        if ctx.logged:
+            return
+        self._count(ctx, time.time(), ctx.model[:255], 0, "", failed=status >= 400 and status != 499)
+        self._log(ctx, model=ctx.model, instance_id=None, node="", status=status, error=code or "",
+                  prompt_tokens=0, completion_tokens=0, ttft_s=None)
+
+    def _count(self, ctx: RequestContext, now: float, model: str, instance_id: int, node: str, *, failed: bool,
+               prompt_tokens: int = 0, completion_tokens: int = 0, busy_s: float = 0.0) -> None:
+        """Add one request to its hour's bucket."""
         p = ctx.principal
         key_id, key_name, username = (p.key_id, p.key_name, p.username) if p is not None else (0, "", "")
         bucket = (hour_of(now), key_id, username, model, instance_id, node)
@@ -169,28 +194,18 @@ class UsageRecorder:
             counts.prompt_tokens += prompt_tokens
             counts.completion_tokens += completion_tokens
             counts.busy_seconds += busy_s
-        self.models.add(model=model, duration_s=time.perf_counter() - ctx.t0, ttft_s=ttft_s,
-                        prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, failed=failed, at=now)
-        self._log(ctx, model=model, instance_id=instance_id, node=node, status=status, error=error or "",
-                  prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, ttft_s=ttft_s)
-
-    def record_refused(self, ctx: RequestContext, *, status: int, code: str | None) -> None:
-        """A request the proxy answered itself after knowing who sent it (429, 403, 404, 503...)."""
-        if ctx.logged:
-            return
-        self._log(ctx, model=ctx.model, instance_id=None, node="", status=status, error=code or "",
-                  prompt_tokens=0, completion_tokens=0, ttft_s=None)
 
     def _log(self, ctx: RequestContext, *, model: str, instance_id: int | None, node: str, status: int, error: str,
-             prompt_tokens: int, completion_tokens: int, ttft_s: float | None) -> None:
+             prompt_tokens: int, completion_tokens: int, ttft_s: float | None, ended: float | None = None,
+             usage_source: str = "engine") -> None:
         ctx.logged = True
         p = ctx.principal
         row = (  # ROW_FIELDS
             ctx.at, ctx.request_id, p.key_id if p else 0, p.key_name if p else "", p.username if p else "",
             model[:255], instance_id, node, status, error[:64],
             round(ttft_s * 1000, 2) if ttft_s is not None else None,
-            round((time.perf_counter() - ctx.t0) * 1000, 2), prompt_tokens, completion_tokens, ctx.stream,
-            ctx.client[:64], ctx.client_request_id,
+            round(((time.perf_counter() if ended is None else ended) - ctx.t0) * 1000, 2), prompt_tokens,
+            completion_tokens, ctx.stream, ctx.client[:64], ctx.client_request_id, usage_source,
         )
         with self._lock:
             self._rows.append(row)
@@ -438,7 +453,7 @@ def request_rows(*, key: str | None = None, model: str | None = None, status: in
          "user": r.username, "model": r.model, "instance_id": r.instance_id, "node": r.node, "status": r.status,
          "error": r.error or None, "ttft_ms": r.ttft_ms, "duration_ms": r.duration_ms,
          "prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens, "stream": r.stream,
-         "client": r.client, "client_request_id": r.client_request_id}
+         "client": r.client, "client_request_id": r.client_request_id, "usage_source": r.usage_source}
         for r in qs.order_by("-pk")[:limit]
     ]
 

@@ -169,6 +169,8 @@ class RequestItem(Schema):
     stream: bool
     client: str
     client_request_id: str = Field("", description="the caller's X-Request-ID ('' when it sent none)")
+    usage_source: str = Field("engine", description="who counted the tokens: `engine` (its own usage) or `console` "
+                                                  "(the engine's count of the prompt, the tokens streamed)")
 
 
 class RequestsOut(Schema):

@@ -309,7 +309,9 @@ class StreamTranslator:
             self.stop_reason = "tool_use"
         out.append(sse("message_delta", {"type": "message_delta",
                                          "delta": {"stop_reason": self.stop_reason or "end_turn", "stop_sequence": None},
-                                         "usage": {"output_tokens": self.output_tokens or self.counted}}))
+                                         # the input too: message_start went out before the backend said it
+                                         "usage": {"input_tokens": self.input_tokens,
+                                                   "output_tokens": self.output_tokens or self.counted}}))
         out.append(sse("message_stop", {"type": "message_stop"}))
         return out
 
@@ -360,6 +362,8 @@ class Translation:
     async def relay(self, reply: UpstreamReply, send, timing) -> None:
         """Answer the client in the Messages shape from the backend's chat-completions answer."""
         request_id = [(b"x-request-id", reply.answer_request_id.encode())]
+        if reply.ctx is not None:  # a limited key's x-ratelimit-* (and a cold start's) as on every answer
+            request_id += [*reply.ctx.rate_headers, *reply.ctx.extra_headers]
         if reply.status >= 400 or not (self.stream and reply.is_sse):
             read_from = time.perf_counter()
             data = await self._read(reply)

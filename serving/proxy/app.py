@@ -35,7 +35,7 @@ from serving.proxy import anthropic, metrics, ondemand
 from serving.proxy.errors import ProxyError
 from serving.proxy.limits import limiter
 from serving.proxy.replicas import Backend, Standby, routing_table
-from serving.proxy.upstream import UpstreamReply, multipart_boundary, open_upstream
+from serving.proxy.upstream import UpstreamReply, multipart_boundary, open_upstream, record_abandoned
 from serving.usage import RequestContext, recorder
 
 log = logging.getLogger("xgen.proxy")
@@ -264,7 +264,8 @@ async def admit_request(ctx: RequestContext, payload: dict, body: bytes, *, oper
             ctx.rate_headers = verdict.headers
     if ctx.stream and operation in ("chat", "completions"):
         options = payload.get("stream_options")
-        if not (isinstance(options, dict) and options.get("include_usage") is True):
+        ctx.usage_asked = isinstance(options, dict) and options.get("include_usage") is True
+        if not ctx.usage_asked:
             # Only a body without the member takes it as bytes: one with `"stream_options": null`
             # (or anything else) would end up with the key twice.
             added = None if "stream_options" in payload else _with_member(body, INCLUDE_USAGE)
@@ -663,6 +664,7 @@ async def _handle(scope, receive, send, headers: dict[bytes, bytes], ctx: Reques
     if anthropic.is_messages_path(upstream_path):
         if not backend_serves(candidates[0], upstream_path):
             translation = anthropic.Translation(payload, count_only=upstream_path.endswith("/count_tokens"))
+            ctx.usage_asked = translation.stream  # its chat stream asks usage for the message_delta
             await _forward(scope, receive, send, path=path, body=translation.chat_body(), candidates=candidates,
                            ctx=ctx, started=started, upstream_path="/v1/chat/completions",
                            relay=translation.relay)
@@ -788,6 +790,7 @@ async def _cold_candidates(scope, receive, send, payload: dict, route: Route, ct
         if not flags["gone"]:
             raise
         current.uncancel()  # the client left: the start goes on for the next request, nothing else stays
+        recorder.record_refused(ctx, status=metrics.CLIENT_GONE, code="client_gone")  # no backend saw it
         return None
     except ErrorAnswer as exc:
         if not flags["sse"]:
@@ -845,13 +848,17 @@ async def _forward(scope, receive, send, *, path: str, body: bytes, candidates: 
     timer = asyncio.get_running_loop().call_later(WATCH_AFTER_S, start_watching)
     reply: UpstreamReply | None = None
     slot = ondemand.NO_SLOT
+    sent = False  # the request went to a backend (past the max_concurrency queue)
+    sent_path = upstream_path or path
     try:
         # max_concurrency: wait for a slot here, where a client that leaves is noticed.
         slot = await ondemand.admit(candidates[0].model_name, candidates, _priority(ctx),
                                     ondemand.queue_owner(ctx.principal, ctx.client))
+        sent = True
         reply = await open_upstream(path=path, query=scope.get("query_string", b""), body=body,
                                     candidates=candidates, headers=scope["headers"], request_id=ctx.request_id,
                                     upstream_path=upstream_path, ctx=ctx)
+        reply.upstream_path, reply.body = sent_path, body  # what the usage reader and a prompt count go by
         ondemand.activity.touch(reply.backend)
 
         def timing(excluded_s: float = 0.0) -> tuple[bytes, bytes]:
@@ -866,6 +873,8 @@ async def _forward(scope, receive, send, *, path: str, body: bytes, candidates: 
         if not flags["gone"]:
             raise
         current.uncancel()  # the client left: not an error, just stop
+        if reply is None:  # before a backend's first byte: a 499 in the log, billed what the engine got
+            record_abandoned(ctx, candidates, sent_path, body, sent=sent)
     except OSError:
         pass  # the server could not write to a client that went away
     finally:

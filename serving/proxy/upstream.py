@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from django.conf import settings
 
 from accounts.errors import error_body
-from serving.proxy import http1, metrics, ondemand
+from serving.proxy import http1, metrics, ondemand, usage_reader
 from serving.proxy.errors import ProxyError
 from serving.proxy.limits import limiter, shutdown_limiter
 from serving.proxy.replicas import Backend, routing_table
@@ -50,12 +50,8 @@ FORWARD_RESPONSE_HEADERS: dict[bytes, str] = {
     b"x-accel-buffering": "tells a reverse proxy in front of the console not to buffer a stream",
     b"retry-after": "when a backend that refused (429, 503) takes requests again",
 }
-USAGE_RE = re.compile(rb'"(prompt_tokens|completion_tokens)"\s*:\s*(\d+)')
-USAGE_TAIL = 4096  # usage sits at the end of a JSON answer and in a stream's last chunks
-# A stream event that carries generated text (chat delta content, a completion's text). A backend
-# that sends no usage in its streams (llama-cpp-python's server has no stream_options) sends one
-# token per event: their count is the stream's completion tokens then.
-TEXT_EVENT_RE = re.compile(rb'"(?:content|text)"\s*:\s*"(?!")')
+BODY_USAGE_MAX = 16 << 20  # of an answer streamed without a Content-Length, as much is kept to read its usage
+COUNT_TIMEOUT_S = 120.0  # for the engine to count a prompt the console bills without the engine's figure
 WHOLE_BODY_MAX = 1 << 20  # answers up to this size with a Content-Length go out in one message
 
 
@@ -82,6 +78,7 @@ async def shutdown_proxy() -> None:
     global _client
     from accounts.credentials import upkeep
 
+    await drain_counts()  # requests waiting for the engine's count of their prompt are recorded first
     await routing_table.stop()
     await shutdown_limiter()
     await ondemand.activity.stop()
@@ -108,8 +105,14 @@ class UpstreamReply:
     ctx: RequestContext | None = None
     busy_mark: float = 0.0
     first_chunk_s: float | None = None
-    text_events: int = 0  # SSE events with generated text, for a stream without usage
     last_chunk: bool = False  # the chunk chunks() just yielded is the body's last
+    # What was sent (set by the relay): the answer's shape, and what the engine counts when it
+    # did not say how many prompt tokens it processed.
+    upstream_path: str = ""
+    body: bytes = b""
+    reader: usage_reader.StreamReader | None = None  # an SSE stream's usage so far
+    prompt_tokens: int | None = None  # what a whole (not SSE) answer said
+    completion_tokens: int | None = None
     _finished: bool = False
 
     @property
@@ -153,10 +156,15 @@ class UpstreamReply:
             self.finish(error="upstream_broken")
             raise ProxyError(502, f"The backend broke off its answer: {exc}", code="upstream_error") from None
         except BaseException:
-            self.finish(error=None, cancelled=True)
+            self.finish(cancelled=True)
             raise
-        self.finish(tail=body[-USAGE_TAIL:])
+        self._read_usage(body)
+        self.finish()
         return body
+
+    def _read_usage(self, body: bytes) -> None:
+        if self.status < 400 and self.response.content_type.endswith("json"):
+            self.prompt_tokens, self.completion_tokens = usage_reader.read_body(body)
 
     async def chunks(self) -> AsyncIterator[bytes]:
         """The body as the backend sends it; an SSE stream that breaks ends with an error event.
@@ -165,21 +173,28 @@ class UpstreamReply:
         rest of their event, so a stream cut mid-event never glues its error event to half an event.
         A waiting event may grow to PROXY_MAX_SSE_EVENT_BYTES; past that the stream ends with an
         error event (a backend must not make the proxy hold, or rescan, an event without limit).
+        Each event passes the usage reader; a stream whose client asked for usage the engine did
+        not send gets the usage chunk before its `data: [DONE]`, counted by the console.
         """
-        tail = b""
         sse = self.is_sse
+        reader = self.reader = usage_reader.StreamReader(usage_reader.shape_of(self.upstream_path)) if sse else None
+        ctx = self.ctx
+        add_usage = (reader is not None and reader.shape in ("chat", "completions") and ctx is not None
+                     and ctx.usage_asked and not ctx.drop_usage_chunk)
+        add_start = reader is not None and reader.shape == "messages" and self.status < 400
+        kept: list[bytes] | None = [] if not sse and self.status < 400 else None  # a JSON body, for its usage
+        kept_size = 0
         clean = False
         pending: list[bytes] = []  # bytes after the last event boundary, in arrival order
         pending_size = 0
         limit = settings.PROXY_MAX_SSE_EVENT_BYTES
-        strip = sse and self.ctx is not None and self.ctx.drop_usage_chunk
+        strip = sse and ctx is not None and ctx.drop_usage_chunk
         response = self.response
         try:
             async for chunk in response.iter_any():
                 if self.first_chunk_s is None:
                     self.first_chunk_s = time.perf_counter() - self.started
-                tail = chunk[-USAGE_TAIL:] if len(chunk) >= USAGE_TAIL else (tail + chunk)[-USAGE_TAIL:]
-                if sse:
+                if reader is not None:
                     # Only the new bytes are scanned (plus 3 before them, for a boundary that spans).
                     edge = pending[-1][-3:] if pending else b""
                     end = _event_end(edge + chunk) - len(edge)
@@ -194,11 +209,24 @@ class UpstreamReply:
                     rest = chunk[end:]
                     pending, pending_size = ([rest], len(rest)) if rest else ([], 0)
                     chunk = out
-                    self.text_events += len(TEXT_EVENT_RE.findall(chunk))
+                    reader.feed(chunk)
+                    if add_start:
+                        add_start = False
+                        if not reader.started:
+                            chunk = await self._with_message_start(chunk)
+                    if add_usage and reader.done:
+                        add_usage = False
+                        chunk = await self._with_usage_chunk(chunk)
                     if strip and b'"usage"' in chunk:
                         chunk = strip_usage_events(chunk)
                         if not chunk:
                             continue
+                elif kept is not None:
+                    kept.append(chunk)
+                    kept_size += len(chunk)
+                    if kept_size > BODY_USAGE_MAX:  # usage is near the end: the last MiB is kept
+                        kept[:] = [b"".join(kept)[-(1 << 20):]]
+                        kept_size = len(kept[0])
                 # The backend's answer ended in the read that brought these bytes: they are the
                 # last (the relay sends them with the response's end, one write instead of two).
                 self.last_chunk = not pending and response.at_eof()
@@ -206,13 +234,15 @@ class UpstreamReply:
             clean = True
             if pending:
                 last = b"".join(pending)  # a last event without its blank line: the backend's own framing
-                self.text_events += len(TEXT_EVENT_RE.findall(last))
+                reader.feed(last)
+                if add_usage and reader.done:
+                    last = await self._with_usage_chunk(last)
                 if strip and b'"usage"' in last:
                     last = strip_usage_events(last)
                 if last:
                     yield last
         except (http1.UpstreamError, OSError) as exc:
-            if sse and not pending and tail.rstrip().endswith(b"data: [DONE]"):
+            if reader is not None and reader.done:
                 clean = True  # cut after its last event: the answer is whole, the lost framing is not news
                 return
             log.warning("backend %s broke off request %s: %s", self.backend.base_url, self.request_id, exc)
@@ -223,10 +253,40 @@ class UpstreamReply:
             elif sse:
                 yield _error_event(f"The backend stopped before finishing this answer ({exc.__class__.__name__}).")
         finally:
-            if clean:
-                self.finish(tail=tail)
-            else:
-                self.finish(error=None, cancelled=True)
+            if clean and kept is not None:
+                self._read_usage(kept[0] if len(kept) == 1 else b"".join(kept))
+            self.finish(cancelled=not clean)
+
+    async def _with_usage_chunk(self, data: bytes) -> bytes:
+        """`data` (the stream's last events) with a usage chunk before its `data: [DONE]` when the
+        engine sent none: the prompt as the engine counts it, the completion as the events streamed
+        (the figures this request is billed, usage_source `console`)."""
+        reader = self.reader
+        at = usage_reader.done_at(data)
+        if reader is None or reader.prompt is not None or at < 0:
+            return data
+        reader.prompt = await count_prompt_tokens(self.backend, self.upstream_path, self.body) or 0
+        reader.counted_by_console = True
+        completion = reader.completion if reader.completion is not None else reader.streamed
+        chunk = {"id": reader.first_id or f"cmpl-{self.request_id}",
+                 "object": "chat.completion.chunk" if reader.shape == "chat" else "text_completion",
+                 "created": int(time.time()), "model": self.backend.model_name, "choices": [],
+                 "usage": {"prompt_tokens": reader.prompt, "completion_tokens": completion,
+                           "total_tokens": reader.prompt + completion}}
+        return data[:at] + b"data: " + json.dumps(chunk).encode() + b"\n\n" + data[at:]
+
+    async def _with_message_start(self, data: bytes) -> bytes:
+        """`data` (a Messages stream's first events) after the message_start the engine left out
+        (llama-server 0.3.36 does when its first token is part of a character: 3 streams in 25 here),
+        with the input the engine counts: Anthropic's clients need it first, and it is what is billed."""
+        reader = self.reader
+        reader.prompt = await count_prompt_tokens(self.backend, self.upstream_path, self.body) or 0
+        reader.counted_by_console = reader.started = True
+        start = {"type": "message_start", "message": {
+            "id": f"msg_{self.request_id}", "type": "message", "role": "assistant", "content": [],
+            "model": self.backend.model_name, "stop_reason": None, "stop_sequence": None,
+            "usage": {"input_tokens": reader.prompt, "output_tokens": 0}}}
+        return b"event: message_start\ndata: " + json.dumps(start).encode() + b"\n\n" + data
 
     def _too_large(self, limit: int) -> bytes:
         log.warning("backend %s sent an SSE event over %d bytes (request %s): stream ended",
@@ -234,8 +294,13 @@ class UpstreamReply:
         self.finish(error="event_too_large")
         return _error_event(f"The backend sent an SSE event larger than {limit} bytes; the stream was ended.")
 
-    def finish(self, *, tail: bytes = b"", error: str | None = None, cancelled: bool = False) -> None:
-        """Release the connection (closed unless fully read), count the request; idempotent."""
+    def finish(self, *, error: str | None = None, cancelled: bool = False) -> None:
+        """Release the connection (closed unless fully read), count the request; idempotent.
+
+        A stream whose last event passed is whole: a 200 billed in full, whatever the client did
+        after. Otherwise a client that left (499) is billed the prompt the engine processed and the
+        tokens streamed so far. Where the engine did not say how many prompt tokens it processed,
+        it is asked to count them and the request is recorded once it has (off the answer's path)."""
         if self._finished:
             return
         self._finished = True
@@ -244,34 +309,133 @@ class UpstreamReply:
             self.response.release()
         else:
             self.response.close()
-        tokens = {}
-        if tail and self.status < 400:
-            for kind, value in USAGE_RE.findall(tail):
-                tokens[kind] = int(value)  # the last occurrence wins (a stream's final chunk)
+        reader = self.reader
+        if cancelled and reader is not None and reader.done:
+            cancelled = False
         status = metrics.CLIENT_GONE if cancelled else self.status
-        prompt, completion = tokens.get(b"prompt_tokens", 0), tokens.get(b"completion_tokens", 0)
-        if not tokens and self.text_events:  # a stream without usage: one token per text event
-            completion = self.text_events
+        ended = time.perf_counter()
+        busy = recorder.busy_stop(self.backend.instance_id, self.busy_mark) if self.ctx is not None else 0.0
+        if reader is not None:
+            prompt, completion, streamed = reader.prompt, reader.completion, reader.streamed
+            console = reader.counted_by_console
+        else:
+            prompt, completion, streamed, console = self.prompt_tokens, self.completion_tokens, 0, False
+        if self.status >= 400:
+            prompt, completion = 0, 0
+        if completion is None:
+            completion, console = streamed, console or reader is not None
+        first = self.first_chunk_s if self.is_sse and self.first_chunk_s is not None else self.first_byte_s
+        if prompt is None:
+            if error is None and usage_reader.shape_of(self.upstream_path) in usage_reader.GENERATION_SHAPES:
+                _later(self._count_then_record(status, error, completion, busy, ended, first))
+                return
+            prompt = 0
+        self._record(status, error, prompt, completion, "console" if console else "engine", busy, ended, first)
+
+    async def _count_then_record(self, status: int, error: str | None, completion: int, busy: float,
+                                 ended: float, first: float) -> None:
+        prompt = await count_prompt_tokens(self.backend, self.upstream_path, self.body)
+        self._record(status, error, prompt or 0, completion, "console", busy, ended, first)
+
+    def _record(self, status: int, error: str | None, prompt: int, completion: int, source: str, busy: float,
+                ended: float, first: float) -> None:
         metrics.record(
             model=self.backend.model_name, instance_id=self.backend.instance_id, status=status,
-            duration_s=time.perf_counter() - self.started, first_byte_s=self.first_byte_s,
+            duration_s=ended - self.started, first_byte_s=self.first_byte_s,
             prompt_tokens=prompt, completion_tokens=completion, error=error,
         )
         ctx = self.ctx
         if ctx is not None:
-            busy = recorder.busy_stop(self.backend.instance_id, self.busy_mark)
-            first = self.first_chunk_s if self.is_sse and self.first_chunk_s is not None else self.first_byte_s
             recorder.record(ctx, model=self.backend.model_name, instance_id=self.backend.instance_id,
                             node=self.backend.node, status=status, error=error, prompt_tokens=prompt,
-                            completion_tokens=completion, busy_s=busy,
-                            ttft_s=(self.started - ctx.t0) + first,
-                            failed=error is not None or (status >= 400 and status != metrics.CLIENT_GONE))
+                            completion_tokens=completion, busy_s=busy, ttft_s=(self.started - ctx.t0) + first,
+                            failed=error is not None or (status >= 400 and status != metrics.CLIENT_GONE),
+                            ended=ended, usage_source=source)
             if ctx.principal is not None and (prompt or completion):
                 limiter().charge(ctx.principal, prompt + completion)
 
     def abort(self) -> None:
         """Close the upstream connection now (the client went away)."""
         self.finish(cancelled=True)
+
+
+# ---------------------------------------------------------------- what the engine counts
+_counting: set[asyncio.Task] = set()
+
+
+def _later(work) -> None:
+    """Run `work` (a coroutine recording a request once the engine has counted it) off the answer's path."""
+    task = asyncio.get_running_loop().create_task(work)
+    _counting.add(task)
+    task.add_done_callback(_counted)
+
+
+def _counted(task: asyncio.Task) -> None:
+    _counting.discard(task)
+    if not task.cancelled() and task.exception() is not None:
+        log.error("recording a request after its prompt count failed", exc_info=task.exception())
+
+
+async def drain_counts(timeout_s: float = 10.0) -> None:
+    """Wait for the prompt counts still running, so the requests they belong to are recorded."""
+    if _counting:
+        await asyncio.wait(set(_counting), timeout=timeout_s)
+
+
+async def count_prompt_tokens(backend: Backend, upstream_path: str, body: bytes) -> int | None:
+    """The prompt tokens the engine behind `backend` processes for `body` on `upstream_path`, as
+    the engine counts them (usage_reader.count_request says how); None when it cannot say."""
+    plan = usage_reader.count_request(backend.backend, upstream_path, body)
+    if plan is None:
+        return None
+    path, request = plan
+    response: http1.Response | None = None
+    backend.in_flight += 1
+    headers = b"content-type: application/json\r\n" + backend.auth_header
+    try:
+        async with asyncio.timeout(COUNT_TIMEOUT_S):
+            try:
+                response = await client().post(backend.base_url, path, request, headers)
+            except http1.Disconnected:  # a pooled connection the backend had closed: once more, on a new one
+                response = await client().post(backend.base_url, path, request, headers)
+            data = await response.read()
+    except (http1.UpstreamError, OSError, TimeoutError) as exc:
+        log.warning("backend %s did not count a prompt (%s %s): %s", backend.base_url, path, upstream_path, exc)
+        return None
+    finally:
+        backend.in_flight -= 1
+        if response is not None:
+            response.release()
+    if response.status != 200:
+        log.warning("backend %s answered %d to counting a prompt (%s)", backend.base_url, response.status, path)
+        return None
+    return usage_reader.counted(data)
+
+
+def record_abandoned(ctx: RequestContext, candidates: list[Backend], upstream_path: str, body: bytes, *,
+                     sent: bool) -> None:
+    """A request whose client left before a backend answered a byte: in the request log as 499,
+    charged the prompt the engine processed when it had been sent (counted by the engine)."""
+    backend = candidates[0]  # any replica counts a prompt alike
+    ended = time.perf_counter()
+
+    def record(prompt: int) -> None:
+        metrics.record(model=backend.model_name, instance_id=backend.instance_id, status=metrics.CLIENT_GONE,
+                       duration_s=ended - ctx.t0, first_byte_s=None, prompt_tokens=prompt, completion_tokens=0)
+        recorder.record(ctx, model=backend.model_name, instance_id=backend.instance_id, node=backend.node,
+                        status=metrics.CLIENT_GONE, error=None, prompt_tokens=prompt, completion_tokens=0,
+                        busy_s=0.0, ttft_s=None, failed=False, ended=ended, usage_source="console")
+        if ctx.principal is not None and prompt:
+            limiter().charge(ctx.principal, prompt)
+
+    if not sent or usage_reader.shape_of(upstream_path) not in usage_reader.GENERATION_SHAPES:
+        record(0)
+        return
+
+    async def count_then_record() -> None:
+        record(await count_prompt_tokens(backend, upstream_path, body) or 0)
+
+    _later(count_then_record())
 
 
 def strip_usage_events(data: bytes) -> bytes:

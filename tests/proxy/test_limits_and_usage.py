@@ -357,7 +357,8 @@ print(json.dumps(ids))
 
 def test_a_stream_from_a_backend_without_stream_usage_is_counted(limited, tiny_gguf, tmp_path_factory):
     """llama-cpp-python's server ignores stream_options: its streams carry no usage. The proxy
-    counts one completion token per text event then, so a streamed answer is never free of quota."""
+    counts one completion token per token event then (its text may be empty: part of a character),
+    and the engine counts the prompt, so a streamed answer is never free of quota."""
     pool = BackendPool(tiny_gguf, tmp_path_factory.mktemp("nousage-llama"))
     try:
         real = pool.start("no-stream-usage")
@@ -371,7 +372,7 @@ ModelInstance.objects.create(model_name="no-stream-usage", model_path="/m", back
         limited.console.manage("shell", "-c", code)
         limited.wait_models({"usage-echo", "other-echo", "no-stream-usage"})
         key_id, key = new_key(limited, tpm=100000)
-        texts, usage_seen, request_id = 0, False, ""
+        texts, usage_seen, request_id, finish = 0, False, "", None
         body = {"model": "no-stream-usage", "prompt": "once upon a time", "max_tokens": 12, "stream": True}
         with httpx.stream("POST", f"{limited.url}/v1/completions", json=body,
                           headers={"Authorization": f"Bearer {key}"}, timeout=60) as r:
@@ -382,6 +383,7 @@ ModelInstance.objects.create(model_name="no-stream-usage", model_path="/m", back
                     event = json.loads(line[6:])
                     usage_seen |= bool(event.get("usage"))
                     texts += bool(event["choices"] and event["choices"][0].get("text"))
+                    finish = (event["choices"] or [{}])[0].get("finish_reason") or finish
         assert texts > 0 and not usage_seen  # the engine sent no usage, as said above
         deadline = time.monotonic() + 15
         rows = []
@@ -389,6 +391,10 @@ ModelInstance.objects.create(model_name="no-stream-usage", model_path="/m", back
             rows = httpx.get(f"{limited.url}/api/requests", headers=limited.auth,
                              params={"request_id": request_id}).json()["items"]
             time.sleep(0.3)
-        assert rows and rows[0]["completion_tokens"] == texts and rows[0]["stream"], rows
+        assert rows and rows[0]["stream"] and rows[0]["usage_source"] == "console", rows
+        assert rows[0]["completion_tokens"] >= texts and (finish != "length" or rows[0]["completion_tokens"] == 12)
+        direct = httpx.post(f"{real.base_url}/v1/completions", json={**body, "stream": False, "max_tokens": 1},
+                            timeout=60).json()["usage"]
+        assert rows[0]["prompt_tokens"] == direct["prompt_tokens"]  # as the engine counts it
     finally:
         pool.stop_all()

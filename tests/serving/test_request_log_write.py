@@ -16,7 +16,8 @@ from tests.cluster.harness import PG_ADMIN_DSN, _pg_admin
 from xgenconsole.env import database_from_url
 
 FIELDS = ("request_id", "key_id", "key_name", "username", "model", "instance_id", "node", "status", "error",
-          "ttft_ms", "duration_ms", "prompt_tokens", "completion_tokens", "stream", "client", "client_request_id")
+          "ttft_ms", "duration_ms", "prompt_tokens", "completion_tokens", "stream", "client", "client_request_id",
+          "usage_source")
 
 
 def _rows() -> list[dict]:
@@ -25,11 +26,11 @@ def _rows() -> list[dict]:
         {"at": at, "request_id": "req-1", "key_id": 7, "key_name": "team 'a' key", "username": "ada",
          "model": "smol-ü \"chat\"", "instance_id": 3, "node": "node-a", "status": 200, "error": "",
          "ttft_ms": 12.34, "duration_ms": 56.78, "prompt_tokens": 5, "completion_tokens": 100, "stream": True,
-         "client": "10.0.0.1", "client_request_id": "trace 'b'/42"},
+         "client": "10.0.0.1", "client_request_id": "trace 'b'/42", "usage_source": "console"},
         {"at": at + 0.000123, "request_id": "req-2", "key_id": 0, "key_name": "", "username": "", "model": "",
          "instance_id": None, "node": "", "status": 429, "error": "rate_limited", "ttft_ms": None,
          "duration_ms": 0.5, "prompt_tokens": 0, "completion_tokens": 0, "stream": False, "client": "",
-         "client_request_id": ""},
+         "client_request_id": "", "usage_source": "engine"},
     ]
 
 
@@ -53,7 +54,9 @@ def test_counted_requests_read_back_whole():
                     prompt_tokens=5, completion_tokens=100, busy_s=0.25, ttft_s=0.01234, failed=False)
     refused = RequestContext(request_id="req-2", principal=ada, model="other")
     recorder.record_refused(refused, status=429, code="rate_limited")
-    assert recorder.flush_sync() == 3  # one hour bucket, two request rows
+    # two hour buckets (the answered request's and the refusal's: a refusal counts as an error of the
+    # key, issue 35 #7), two request rows
+    assert recorder.flush_sync() == 4
     stored = list(RequestLog.objects.order_by("pk").values())
     assert [r["request_id"] for r in stored] == ["req-1", "req-2"]
     first, second = stored
