@@ -456,6 +456,73 @@ async def measure(server: str, console: ConsoleProcess, fast_port: int, llama_po
     return lines + await unpaced_streams(server, console, fast_port, minimal_port, pids, scale)
 
 
+async def protocol_cpu(scale: float) -> list[str]:
+    """CPU per keep-alive request of uvicorn's httptools protocol and of the console's guarded one,
+    driven in this process with an in-memory transport and a two-byte app (no sockets, no client,
+    no console): the limits' own cost, apart from the machine's noise."""
+    from uvicorn.config import Config
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    from uvicorn.server import ServerState
+
+    from xgenconsole.http_edge import guarded_protocol
+
+    async def app(scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    class Transport(asyncio.Transport):
+        def __init__(self) -> None:
+            super().__init__()
+            self.protocol = None
+
+        def write(self, data) -> None:
+            pass
+
+        def is_closing(self) -> bool:
+            return False
+
+        def close(self) -> None:
+            pass
+
+        def get_extra_info(self, name, default=None):
+            return {"peername": ("127.0.0.1", 40000), "sockname": ("127.0.0.1", 8000)}.get(name, default)
+
+        def pause_reading(self) -> None:
+            pass
+
+        def resume_reading(self) -> None:
+            pass
+
+        def get_protocol(self):
+            return self.protocol
+
+    config = Config(app, log_level="warning", lifespan="off")
+    config.load()
+    request = b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:8000\r\nContent-Type: application/json\r\n" \
+              b"Authorization: Bearer xgen_bench\r\nContent-Length: 2\r\n\r\n{}"
+    classes = {"plain": HttpToolsProtocol,
+               "guarded": guarded_protocol(head_timeout_s=20, max_head_bytes=64 * 1024, max_connections=1000)}
+    n = max(2000, int(20000 * scale)) // ROUNDS
+    cpu = dict.fromkeys(classes, 0.0)
+    for i in range(ROUNDS * 2):
+        for name in (list(classes) if i % 2 == 0 else list(classes)[::-1]):
+            state = ServerState()
+            protocol = classes[name](config=config, server_state=state, app_state={})
+            transport = Transport()
+            transport.protocol = protocol
+            protocol.connection_made(transport)
+            t0 = time.process_time()
+            for _ in range(n):
+                protocol.data_received(request)
+                await asyncio.gather(*list(state.tasks))
+            cpu[name] += time.process_time() - t0
+            protocol.connection_lost(None)
+    total = n * ROUNDS * 2
+    plain, guarded = (1e6 * cpu[k] / total for k in ("plain", "guarded"))
+    return [f"uvicorn  head limits in process, {total} keep-alive requests each: uvicorn's protocol {plain:.1f} us "
+            f"CPU a request | with the limits {guarded:.1f} us ({guarded - plain:+.1f} us, {guarded / plain:.3f}x)"]
+
+
 async def head_limits(plain: ConsoleProcess, guarded: ConsoleProcess, scale: float) -> list[str]:
     """req/s of small requests through uvicorn's own httptools protocol (today's) and through the
     console's with the head deadline, head cap and connection cap (xgenconsole/http_edge.py), in
@@ -717,6 +784,8 @@ def main() -> None:
             consoles = []
             try:
                 if args.only == "edge":
+                    for line in asyncio.run(protocol_cpu(args.scale)):
+                        print(line, flush=True)
                     backends = {"fast": fast_port, "fast-rr": fast_port, "tiny": llama_port}
                     consoles += [ConsoleProcess("uvicorn", work, backends, ("--no-head-limits",)),
                                  ConsoleProcess("uvicorn", work, backends)]

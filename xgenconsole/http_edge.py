@@ -71,10 +71,10 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        if self.parser is None or self.transport.is_closing():
-            return
-        if not self._counting:
+        if not self._counting:  # a body, or bytes of a head already complete
             super().data_received(data)
+            return
+        if self.parser is None or self.transport.is_closing():
             return
         room = self.max_head_bytes - self._head_bytes
         if len(data) <= room:
