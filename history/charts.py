@@ -1,6 +1,10 @@
 """Charts drawn on the server as inline SVG (no chart library, nothing from a CDN): stacked bars
 (the usage pages) and lines over time (the dashboard); one colour per series, hover values in
-SVG <title>s, axes with units, a legend with each series' current value, and an empty state."""
+SVG <title>s, axes with units, a legend with each series' current value, and an empty state.
+
+The axis labels and the empty note are HTML laid over the SVG at the same relative place, not
+SVG text: an SVG's text shrinks with the chart (5-9 px on a 390 px phone), HTML text keeps its
+CSS size (usage.css `.chart-box .tick`) however wide the chart is drawn."""
 from __future__ import annotations
 
 import time
@@ -20,6 +24,20 @@ def _short(value: float) -> str:
     size = abs(value)
     limit, suffix = (1e9, "G") if size >= 1e9 else (1e6, "M") if size >= 1e6 else (1e3, "k")
     return f"{value / limit:.1f}{suffix}"
+
+
+_SHIFT = {"start": "0", "middle": "-50%", "end": "-100%"}
+
+
+def _tick(x: float, y: float, text: str, *, width: int, height: int, anchor: str, cls: str = "tick") -> str:
+    """An axis label centred on (x, y) of the SVG's viewBox, aligned on x as SVG's text-anchor."""
+    return (f'<span class="{cls}" style="left:{x / width * 100:.2f}%;top:{y / height * 100:.2f}%;'
+            f'transform:translate({_SHIFT[anchor]},-50%)">{escape(text)}</span>')
+
+
+def _boxed(chart_id: str, svg: list[str], ticks: list[str], legend: str) -> SafeString:
+    return mark_safe(f'<div class="chart-box" id="{escape(chart_id)}">{"".join(svg)}{"".join(ticks)}</div>'  # noqa: S308
+                     f'<div class="legend">{legend}</div>')  # (every value escaped)
 
 
 def top_series(series: dict[str, list[float]], keep: int = MAX_SERIES) -> dict[str, list[float]]:
@@ -46,15 +64,15 @@ def stacked_bars(*, labels: list[str], series: dict[str, list[float]], unit: str
     peak = max(totals, default=0) or 1.0
     slot = plot_w / n
     bar = max(1.0, slot * 0.8)
-    parts = [f'<svg class="chart" id="{escape(chart_id)}" viewBox="0 0 {width} {height}" role="img" '
+    parts = [f'<svg class="chart" viewBox="0 0 {width} {height}" role="img" '
              f'aria-label="{escape(label or "bar chart")}{f", {unit}" if unit else ""}" '
              f'preserveAspectRatio="none" xmlns="http://www.w3.org/2000/svg">']
+    ticks: list[str] = []
     parts.append(f'<line x1="{left}" y1="{top + plot_h}" x2="{width - right}" y2="{top + plot_h}" stroke="#dfe3e8"/>')
     for frac in (0.5, 1.0):
         y = top + plot_h * (1 - frac)
         parts.append(f'<line x1="{left}" y1="{y:.1f}" x2="{width - right}" y2="{y:.1f}" stroke="#eef1f4"/>')
-        parts.append(f'<text x="{left - 4}" y="{y + 4:.1f}" text-anchor="end" font-size="10" fill="#6b7685">'
-                     f'{escape(_short(peak * frac))}</text>')
+        ticks.append(_tick(left - 4, y, _short(peak * frac), width=width, height=height, anchor="end"))
     colours = {name: (IDLE_COLOUR if name == "(idle)" else PALETTE[i % len(PALETTE)])
                for i, name in enumerate(series)}
     for i, label in enumerate(labels):
@@ -73,15 +91,14 @@ def stacked_bars(*, labels: list[str], series: dict[str, list[float]], unit: str
         for i in sorted({0, len(labels) // 2, len(labels) - 1}):
             x = left + i * slot + slot / 2
             anchor = "start" if i == 0 else "end" if i == len(labels) - 1 else "middle"
-            parts.append(f'<text x="{x:.1f}" y="{height - 6}" text-anchor="{anchor}" font-size="10" '
-                         f'fill="#6b7685">{escape(labels[i])}</text>')
+            ticks.append(_tick(x, height - 10, labels[i], width=width, height=height, anchor=anchor))
     if not any(totals):
-        parts.append(f'<text x="{left + plot_w / 2}" y="{top + plot_h / 2}" text-anchor="middle" font-size="12" '
-                     f'fill="#6b7685">no data in this range</text>')
+        ticks.append(_tick(left + plot_w / 2, top + plot_h / 2, "no data in this range", width=width, height=height,
+                           anchor="middle", cls="tick note"))
     parts.append("</svg>")
     legend = "".join(f'<span class="legend-item"><i style="background:{colours[name]}"></i>{escape(name)}</span>'
                      for name in series)
-    return mark_safe("".join(parts) + f'<div class="legend">{legend}</div>')  # noqa: S308 (every value escaped)
+    return _boxed(chart_id, parts, ticks, legend)
 
 
 def _nice_top(peak: float) -> float:
@@ -132,21 +149,21 @@ def line_chart(*, times: list[int], series: dict[str, list[float | None]], unit:
     values = [v for vs in series.values() for v in vs if v is not None]
     top_value = y_max if y_max is not None else _nice_top(max(values, default=0.0))
     slot = plot_w / n
-    parts = [f'<svg class="chart line-chart" id="{escape(chart_id)}" viewBox="0 0 {width} {height}" role="img" '
+    parts = [f'<svg class="chart line-chart" viewBox="0 0 {width} {height}" role="img" '
              f'aria-label="{escape(label)}" xmlns="http://www.w3.org/2000/svg">']
+    ticks: list[str] = []
     for frac in (0.0, 0.5, 1.0):  # the unit on the top tick only: short labels fit the margin
         y = top + plot_h * (1 - frac)
         tick = _value(top_value, unit) if frac == 1.0 else _short(top_value * frac)
-        parts.append(f'<line x1="{left}" y1="{y:.1f}" x2="{width - right}" y2="{y:.1f}" stroke="#e6e9ee"/>'
-                     f'<text x="{left - 4}" y="{y + 3.5:.1f}" text-anchor="end" font-size="11" fill="#5b6675">'
-                     f'{escape(tick)}</text>')
+        parts.append(f'<line x1="{left}" y1="{y:.1f}" x2="{width - right}" y2="{y:.1f}" stroke="#e6e9ee"/>')
+        ticks.append(_tick(left - 4, y, tick, width=width, height=height, anchor="end"))
     clock = "%H:%M" if step_s < 3600 else "%a %H:%M"
     if times:
         for i in sorted({0, n // 2, n - 1}):
             anchor = "start" if i == 0 else "end" if i == n - 1 else "middle"
             x = left + i * slot + (slot / 2 if 0 < i < n - 1 else 0 if i == 0 else slot)
-            parts.append(f'<text x="{x:.1f}" y="{height - 6}" text-anchor="{anchor}" font-size="11" fill="#5b6675">'
-                         f'{time.strftime(clock, time.gmtime(times[i]))}</text>')
+            ticks.append(_tick(x, height - 10, time.strftime(clock, time.gmtime(times[i])), width=width,
+                               height=height, anchor=anchor))
     colours = {name: PALETTE[i % len(PALETTE)] for i, name in enumerate(series)}
     scale = plot_h / top_value if top_value else 0.0
     centres, lefts = _columns(n, left, slot)
@@ -175,12 +192,12 @@ def line_chart(*, times: list[int], series: dict[str, list[float | None]], unit:
             if shown:
                 parts.append(f'<rect class="hover" x="{lefts[i]}{box}{stamp} UTC · {" · ".join(shown)}</title></rect>')
     else:
-        parts.append(f'<text x="{left + plot_w / 2}" y="{top + plot_h / 2}" text-anchor="middle" font-size="12" '
-                     f'fill="#5b6675">{escape(empty)}</text>')
+        ticks.append(_tick(left + plot_w / 2, top + plot_h / 2, empty, width=width, height=height, anchor="middle",
+                           cls="tick note"))
     parts.append("</svg>")
     legend = []
     for name, vs in series.items():
         current = next((v for v in reversed(vs) if v is not None), None)
         legend.append(f'<span class="legend-item"><i style="background:{colours[name]}"></i>{escape(name)} '
                       f'<b class="current">{escape(_value(current, unit))}</b></span>')
-    return mark_safe("".join(parts) + f'<div class="legend">{"".join(legend)}</div>')  # noqa: S308 (escaped)
+    return _boxed(chart_id, parts, ticks, "".join(legend))

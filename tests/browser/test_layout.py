@@ -2,7 +2,10 @@
 critical accessibility violation (axe-core, tests/browser/axe.py), and is screenshotted at both
 widths into the test's temp dir (screenshots/<width>/<page>.png) for a person to look at.
 
-An instance with proxy usage makes the widest table there is (the instance page's Usage card)."""
+An instance with proxy usage makes the widest table there is (the instance page's Usage card).
+Every page is also read as a person would (issue 32 #6): no label twice in one definition list
+(the instance page showed Memory twice), and no chart text under 11 px as drawn, at either width
+(SVG text shrinks with its chart: 5-9 px at 390 px)."""
 from __future__ import annotations
 
 import time
@@ -57,6 +60,25 @@ PAGES = ["/", "/?range=24h", "/?range=7d", "/gpus/", "/nodes/test-node/", "/node
          "/requests/", "/keys/", "/keys/{key}/", "/users/", "/users/{user}/", "/audit/"]
 
 
+# The labels (<dt>) each definition list has more than once.
+REPEATED_LABELS = """() => [...document.querySelectorAll('dl')].flatMap(dl => {
+    const seen = new Set(), twice = [];
+    for (const dt of dl.querySelectorAll(':scope > dt')) {
+        const label = dt.textContent.trim();
+        if (seen.has(label)) twice.push(label);
+        seen.add(label);
+    }
+    return twice;
+})"""
+# Chart text (SVG text scaled as the SVG is drawn, the HTML labels over it) smaller than 11 px on screen.
+SMALL_CHART_TEXT = """() => [...document.querySelectorAll('svg text, .chart-box .tick')].map(el => {
+    let px = parseFloat(getComputedStyle(el).fontSize);
+    if (el instanceof SVGElement) { const m = el.getScreenCTM(); px *= Math.min(Math.abs(m.a), Math.abs(m.d)); }
+    return [el.textContent.trim(), Math.round(px * 10) / 10];
+}).filter(([, px]) => px < 11)"""
+MIN_TEXT_PX = 11
+
+
 def _name(path: str) -> str:
     return path.strip("/").replace("/", "_").replace("?range=", "range-") or "dashboard"
 
@@ -101,6 +123,11 @@ def test_every_page_fits_is_accessible_and_is_screenshotted(served_console, play
                 pytest.fail(f"{path} at {width} px: document {wide[0]} px wide; sticking out: {culprits}")
             page.screenshot(path=str(shots / f"{_name(path)}.png"), full_page=True)
             violations += [f"{path}: {v}" for v in serious_violations(page, axe)]
+            violations += [f"{path}: the label {label!r} twice in one list" for label in page.evaluate(REPEATED_LABELS)]
+            violations += [f"{path} at {width} px: chart text {text!r} drawn at {px} px (< {MIN_TEXT_PX})"
+                           for text, px in page.evaluate(SMALL_CHART_TEXT)]
+            if path in ("/", "/nodes/test-node/", "/usage/"):
+                assert page.locator("svg text, .chart-box .tick").count(), f"{path}: no chart label measured"
         assert not missing, missing
         assert not violations, "\n".join(violations)
     finally:

@@ -57,7 +57,7 @@ def test_gpu_node_charts_have_units_current_values_and_hover(as_viewer, gpu_node
         record_node_sample("gpu-a", at=now - dt)
     html = as_viewer.get("/").content.decode()
     assert f'id="chart-{gpu_node.pk}-1h-mem"' in html and f'id="chart-{gpu_node.pk}-1h-util"' in html
-    assert "GPU memory used (GiB)" in html and ">100 %</text>" in html  # the utilization axis, in %
+    assert "GPU memory used (GiB)" in html and ">100 %</span>" in html  # the utilization axis, in %
     assert "booked by instances" in html and '<b class="current">8 GiB</b>' in html
     assert "<title>" in html and "used: 1.06 GiB" in html and "GPUs (mean of 2): " in html  # hover values
     # The node page: per GPU.
