@@ -277,6 +277,7 @@ class ModelStore(ABC):
     """What every store does. Implementations pass the same contract suite (tests/hub)."""
 
     kind = "store"
+    renames = False  # whether a folder of objects moves at no cost (a switch is a rename, not copies)
 
     # ---- primitives each implementation provides
     @abstractmethod
@@ -368,11 +369,13 @@ class ModelStore(ABC):
         upload a user asks for comes that way); without it `local` is walked here, for the
         console's own callers (the demo model, tests).
         A complete model is overwritten only with `replace=True` (else ModelExists, nothing
-        written). The old manifest is deleted first and stale objects removed before the new
-        manifest is written, so readers see either the old complete model, nothing loadable, or
-        the new one. The manifest lists only what this upload wrote: each file is checked in the
-        store (size and ETag) before anything stale is removed, and a file another writer removed
-        or replaced meanwhile fails the upload (ConcurrentWrite) with no manifest written. (One
+        written). The files go to a staging prefix and are switched in once all are there
+        (`switch_to_staged`): the model as it was stays complete and loadable until then, and a
+        cancel or failure leaves it untouched. A store without a rename (S3) writes a model it does
+        not hold yet in place instead (nothing to keep, and no copy to pay), manifest last, and
+        removes what it wrote when it fails. The manifest lists only what this upload wrote: each
+        file is checked in the store (size and ETag) first, and a file another writer removed or
+        replaced meanwhile fails the upload (ConcurrentWrite) with no manifest written. (One
         writer per prefix is the job of the console's lock, `hub.services.lock_prefix`.)
         """
         prefix = validate_prefix(prefix)
@@ -380,7 +383,8 @@ class ModelStore(ABC):
             files = local_files(Path(local))
         if not files:
             raise StoreError(f"{local} holds no files to upload.")
-        if not replace and self.exists(prefix):
+        existing = self.exists(prefix)
+        if existing and not replace:
             raise ModelExists(f"{prefix} is already a complete model in the store; replace it explicitly "
                               "or upload under another name.")
         total = sum(f.size for f in files)  # apparent sizes: a sparse file is written out in full
@@ -395,7 +399,8 @@ class ModelStore(ABC):
                 if progress:
                     progress(done, total)
 
-        staging = staging_prefix(prefix)
+        in_place = not existing and not self.renames
+        staging = prefix if in_place else staging_prefix(prefix)
         ready = switched = False
         try:
             entries: list[ManifestFile] = []
@@ -414,6 +419,14 @@ class ModelStore(ABC):
                                       "its manifest was not written; upload it again, or replace it.")
             manifest = Manifest(prefix=prefix, format=prefix.split("/", 1)[0], files=entries,
                                 created_at=timezone.now().isoformat(), source=source or {})
+            if in_place:
+                keep = {f"{prefix}/{e.path}" for e in entries}
+                stale = [key for key in listed if key not in keep]  # left by an earlier write that died
+                if stale:
+                    self.delete_keys(stale)
+                self.put_bytes(f"{prefix}/{MANIFEST_NAME}", manifest.to_json())
+                ready = switched = True
+                return manifest
             # Ready to switch: a switch cut short from here on is finished later (`finish_switches`),
             # never undone, so the store keeps one complete version of the model or the other.
             self.put_bytes(f"{staging}/{MANIFEST_NAME}", manifest.to_json())
@@ -425,11 +438,13 @@ class ModelStore(ABC):
                     self.drop_staging(other)
             return manifest
         finally:
-            if switched or not ready:
-                try:
+            try:
+                if in_place and not switched and not self.exists(prefix):
+                    self.delete_model(prefix)  # no complete model was there: what this write left goes
+                elif not in_place and (switched or not ready):
                     self.drop_staging(staging)
-                except Exception as exc:  # never hides the write's own outcome; the next sweep removes it
-                    log.warning("could not remove the staging area %s: %s", staging, exc)
+            except Exception as exc:  # never hides the write's own outcome; the next sweep removes it
+                log.warning("could not remove what the write of %s left at %s: %s", prefix, staging, exc)
 
     # ---- writing beside the model, then switching (issue 34 #10)
     def check_room(self, prefix: str, need: int) -> None:
@@ -721,6 +736,7 @@ class FilesystemModelStore(ModelStore):
     """A folder as the store (the embedded default). ETag = mtime and size, like a web server's."""
 
     kind = "filesystem"
+    renames = True
 
     def __init__(self, root: Path | str | None = None) -> None:
         self.root = Path(root or settings.STORE_DIR).resolve()
