@@ -136,7 +136,11 @@ class ChargebackOut(Schema):
                   summary="GPU-seconds per key or user, and idle per instance")
 def usage_chargeback(request: HttpRequest, query: Query[ChargebackQuery]):
     """Each instance's READY time x its GPU count (a CPU instance counts as one), split across the
-    keys that used it in each hour by their busy seconds; the unused part is idle, per instance."""
+    keys that used it in each hour by their busy seconds; the unused part is idle, per instance.
+    Not for a key with allowed_models: the split is of every tenant's keys and instances."""
+    if visible_models(request) is not None:
+        raise ApiError(403, "Chargeback covers every key and instance: a key with allowed_models cannot read it.",
+                       code="model_limited_key")
     start, end = time_range(query.start, query.end)
     return chargeback(start=start, end=end, group_by=query.group_by)
 

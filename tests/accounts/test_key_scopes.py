@@ -116,6 +116,9 @@ def test_a_key_with_allowed_models_reads_its_models_rows_only(client, admin, vie
         ("ours", "other-team", ""), ("ours", viewer.user.username, "10.0.0.1")]
     usage = client.get("/api/usage", {"group_by": "model"}, **bearer(two_tenants)).json()["items"]
     assert {r["model"] for r in usage} == {"ours"}
+    refused = client.get("/api/usage/chargeback", **bearer(two_tenants))  # every tenant's split: not for it
+    assert refused.status_code == 403 and refused.json()["error"]["code"] == "model_limited_key"
+    assert client.get("/api/usage/chargeback", **bearer(admin.key)).status_code == 200
     everything = client.get("/api/requests", **bearer(admin.key)).json()["items"]  # a key without: all rows
     assert {r["model"] for r in everything} == {"ours", "theirs"} and "10.9.9.8" in {r["client"] for r in everything}
 
