@@ -93,6 +93,37 @@ def test_operation_never_answers_5xx_or_a_non_openai_error(label, console, admin
     assert "Traceback" not in console.log, console.log[-3000:]
 
 
+# The console's own JSON bodies (not the OpenAI-compatible ones, passed on to the engine as they are).
+OWN_BODIES = sorted(label for label, op in OPERATIONS.items()
+                    if op.body and not label.split(" ", 1)[1].startswith("/api/inference"))
+
+
+def test_the_console_s_own_bodies_are_known():
+    assert {"POST /api/management/load", "POST /api/keys", "PATCH /api/keys/{key_id}",
+            "POST /api/download"} <= set(OWN_BODIES)
+
+
+@pytest.mark.parametrize("label", OWN_BODIES)
+def test_an_unknown_field_in_any_own_body_is_refused_by_name(label, console, admin_key):
+    """Issue 32 #4: whatever else a generated body holds, a field the route does not know is a 400
+    unknown_field naming it (refused before the route runs: nothing is changed or revoked)."""
+    operation = OPERATIONS[label]
+
+    @given(case=operation.as_strategy())
+    @settings(max_examples=5, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
+    def fuzz(case):
+        if not isinstance(case.body, dict):
+            return
+        case.body = {**case.body, "xgen_no_such_field": 1}
+        response = case.call(base_url=console.url, headers={"Authorization": f"Bearer {admin_key}"},
+                             cookies={}, timeout=30)
+        error = json.loads(response.text)["error"]
+        assert response.status_code == 400 and error["code"] == "unknown_field", (label, response.text[:300])
+        assert "'xgen_no_such_field'" in error["message"], error
+
+    fuzz()
+
+
 def test_fuzz_summary(capsys):
     """Prints how much was fuzzed, for the closing note."""
     with capsys.disabled():
