@@ -876,18 +876,23 @@ class FilesystemModelStore(ModelStore):
         tokens = sorted(staging_root.iterdir()) if staging_root.is_dir() else []
         parts = [Path(d) / name for fmt in FORMAT_ROOTS if (self.root / fmt).is_dir()
                  for d, _dirs, names in os.walk(self.root / fmt) for name in names if name.endswith(PART_SUFFIX)]
-        busy = busy()
-        if tokens:
-            for token in tokens:
-                held = {f"{fmt.name}/{name.name}" for fmt in token.iterdir() if fmt.is_dir()
-                        for name in fmt.iterdir()} if token.is_dir() and not token.is_symlink() else set()
-                if held & busy:
-                    continue
-                removed.append(token.relative_to(self.root).as_posix())
-                shutil.rmtree(token, ignore_errors=True) if token.is_dir() else token.unlink(missing_ok=True)
+        live = busy()
+        for token in tokens:  # .xgen-staging/<token>/<format>/<name>, or <token>.old mid-switch
+            try:
+                staged = {f"{fmt.name}/{name.name}" for fmt in token.iterdir() if fmt.is_dir()
+                          for name in fmt.iterdir()} if token.is_dir() and not token.is_symlink() else set()
+            except OSError:  # removed meanwhile (a write that just switched)
+                continue
+            if staged & live:
+                continue
+            removed.append(token.relative_to(self.root).as_posix())
+            if token.is_dir() and not token.is_symlink():
+                shutil.rmtree(token, ignore_errors=True)
+            else:
+                token.unlink(missing_ok=True)
         for path in parts:  # a write of the filesystem store before staging, or one that died mid-file
             key = path.relative_to(self.root).as_posix()
-            if model_prefix_of(key) not in busy:
+            if model_prefix_of(key) not in live:
                 path.unlink(missing_ok=True)
                 removed.append(key)
         return removed
