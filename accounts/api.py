@@ -8,7 +8,7 @@ from ninja import Query, Router, Schema, Status
 from accounts.audit import record_audit
 from accounts.auth import admin_auth, require_role
 from accounts.errors import ApiError
-from accounts.models import ApiKey, AuditEvent, AuditOutcome, User
+from accounts.models import KEY_SCOPES, ApiKey, AuditEvent, AuditOutcome, User
 from accounts.schemas import AuditPage, KeyCreatedOut, KeyIn, KeyOut, KeyPatch
 from accounts.services import KeyInputError, create_api_key, expiry_in, revoke_api_key, update_api_key
 
@@ -45,6 +45,18 @@ def _unlimited_key_only(request: HttpRequest, action: str, target: str) -> None:
                        code="limited_key")
 
 
+def _within_own_scopes(request: HttpRequest, scopes: list[str] | None, action: str, target: str) -> None:
+    """A key gives no key more scopes than it holds itself (a manage-only key could otherwise make
+    one that calls models or reads the console); a session may give any."""
+    principal = getattr(request, "api_principal", None)
+    wanted = set(scopes or KEY_SCOPES)
+    if principal is not None and not wanted <= principal.scopes:
+        record_audit(action=action, target=target, request=request, outcome=AuditOutcome.REFUSED,
+                     detail={"reason": "scopes beyond the calling key's", "scopes": sorted(wanted)})
+        raise ApiError(403, f"This API key holds {', '.join(sorted(principal.scopes))}: it cannot give a key "
+                            f"{', '.join(sorted(wanted - principal.scopes))}.", code="scope_escalation")
+
+
 def _key(key_id: int) -> ApiKey:
     key = ApiKey.objects.select_related("user").filter(pk=key_id).first()
     if key is None:
@@ -62,6 +74,7 @@ def create_key(request: HttpRequest, body: KeyIn):
                      detail={"user": body.username, "reason": "no such active user"})
         raise ApiError(404, f"No active user {body.username!r}.", code="user_not_found")
     limits = {f: getattr(body, f) for f in LIMITS if getattr(body, f) is not None}
+    _within_own_scopes(request, body.scopes, "key_create", body.name)
     try:
         key, raw = create_api_key(user=owner, name=body.name, expires_at=expiry_in(body.expires_in_days), **limits)
     except KeyInputError as exc:
@@ -94,6 +107,8 @@ def patch_key(request: HttpRequest, key_id: int, body: KeyPatch):
     changes = {f: getattr(body, f) for f in (*LIMITS, "name") if f in sent}
     if "name" in changes and changes["name"] is None:
         raise ApiError(400, "name cannot be null.", code="invalid_request")
+    if "scopes" in changes:
+        _within_own_scopes(request, changes["scopes"], "key_change", f"key {key.pk} ({key.name})")
     try:
         if "expires_in_days" in sent:
             changes["expires_at"] = expiry_in(body.expires_in_days)

@@ -160,3 +160,24 @@ def test_the_metrics_filter_reads_escaped_label_values():
     text = (b'# HELP x h\n# TYPE x counter\nx_total{instance="1",model="a\\"b"} 1.0\n'
             b'x_total{model="c",instance="2"} 2.0\nup 1.0\n')
     assert only_models(text, frozenset({'a"b'})) == b'# HELP x h\n# TYPE x counter\nx_total{instance="1",model="a\\"b"} 1.0\nup 1.0\n'
+
+
+@pytest.mark.django_db
+def test_a_key_gives_no_key_more_scopes_than_it_holds(client, admin, viewer):
+    manage_only = _key(admin.user, "manage")
+
+    def create(scopes):
+        body = {"name": "made", "username": viewer.user.username, **({"scopes": scopes} if scopes else {})}
+        return client.post("/api/keys", data=json.dumps(body), content_type="application/json",
+                           **bearer(manage_only))
+
+    for scopes in (None, ["inference"], ["manage", "read"]):  # absent means all three
+        r = create(scopes)
+        assert r.status_code == 403 and r.json()["error"]["code"] == "scope_escalation", (scopes, r.content)
+    made = create(["manage"])
+    assert made.status_code == 201
+    r = client.patch(f"/api/keys/{made.json()['id']}", data=json.dumps({"scopes": ["manage", "inference"]}),
+                     content_type="application/json", **bearer(manage_only))
+    assert r.status_code == 403 and r.json()["error"]["code"] == "scope_escalation"
+    assert client.patch(f"/api/keys/{made.json()['id']}", data=json.dumps({"scopes": ["inference"]}),
+                        content_type="application/json", **bearer(admin.key)).status_code == 200
