@@ -46,7 +46,7 @@ def test_from_the_api(node, operator, tiny_gguf):
                       ("unload", who, target, "success", "10.9.8.7", via),
                       ("unload", who, "instance 999", "refused", "10.9.8.7", via)]
     refused = AuditEvent.objects.get(action="load", outcome="refused")
-    assert "not a .gguf" in refused.detail["message"]
+    assert "not under XGEN_IMPORT_DIRS" in refused.detail["message"]
 
 
 def test_from_the_pages(node, operator, tiny_gguf):
