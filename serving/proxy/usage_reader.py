@@ -176,7 +176,7 @@ class StreamReader:
             found = _NATIVE_DONE.findall(data)
             if found:
                 self.completion = int(found[-1])
-        if _HINT.search(data):
+        if (b'"usage"' in data or b'"stop"' in data) and _HINT.search(data):  # `in` first: a byte scan
             for payload in sse_payloads(data):
                 if not _HINT.search(payload):
                     continue
@@ -195,7 +195,8 @@ class StreamReader:
                     self.done = True
                 elif event.get("type") == "message_start":
                     self.started = True
-        if not self.done and _DONE.search(data):
+        if not self.done and (b"[DONE]" in data or b"message_stop" in data or b"response.completed" in data) \
+                and _DONE.search(data):
             self.done = True
 
     @property
