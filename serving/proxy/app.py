@@ -307,7 +307,7 @@ def client_request_id(headers: dict[bytes, bytes]) -> str:
     back, never sent to a backend (the console's own id goes there: llama-cpp-python answers 400
     to an id that is not a UUID). ProxyError 400 for one that is not 1-128 printable ASCII characters."""
     sent = headers.get(b"x-request-id")
-    if sent is None:
+    if not sent:  # none, or an empty one (as before: some gateways send the header empty)
         return ""
     if not REQUEST_ID_RE.fullmatch(sent):
         raise ProxyError(400, "X-Request-ID must be 1 to 128 printable ASCII characters (no spaces at its ends).",

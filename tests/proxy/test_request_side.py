@@ -78,6 +78,12 @@ def test_a_request_id_that_is_not_printable_ascii_is_refused(engines, sent):
     assert re.fullmatch(r"[0-9a-f]{32}", r.headers["x-request-id"])  # answered with the console's id
 
 
+def test_an_empty_request_id_is_none(engines):
+    console, _ = engines
+    r = _chat(console, NAMES["llama-cpp-python"], headers={"X-Request-ID": ""})
+    assert r.status_code == 200 and re.fullmatch(r"[0-9a-f]{32}", r.headers["x-request-id"])
+
+
 # ---------------------------------------------------------------- content types (issue 34 #3)
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("content_type", [
