@@ -384,7 +384,8 @@ def plan_load(*, model_path: str, model_name: str | None = None, server_type: st
     if not options:
         worst = max(refusals, key=lambda e: e.status)
         reasons = "; ".join(f"{e}" for e in refusals)
-        raise LoadRefused(worst.status, f"no online node can run it: {reasons}", code=worst.code)
+        raise LoadRefused(worst.status, f"no online node can run it: {reasons}", code=worst.code,
+                          retry_after=worst.retry_after)
     first: LoadPlan = options[0].payload
     best, why = choose_node(options, model_path=first.source.model_path, from_store=first.source.kind == "prefix")
     plan: LoadPlan = best.payload

@@ -73,6 +73,24 @@ def test_a_load_on_a_node_whose_agent_restarted_is_refused_until_the_new_run_sav
     assert stored_plan(ModelInstance.objects.get(model_name="after-the-probe")).version == "0.3.36"
 
 
+@pytest.mark.django_db
+def test_among_several_nodes_one_still_starting_is_passed_over_and_all_starting_is_a_503(
+        client, operator, settings, tiny_gguf):
+    settings.INVENTORY_WAIT_S = 0
+    for name in (settings.NODE_NAME, "other-node"):
+        register_node(name=name, address="127.0.0.1", run="run-1")
+        save_inventory(node_name=name, result=_inventory("0.3.36"), run="run-1")
+    register_node(name="other-node", address="127.0.0.1", run="run-2")  # restarted, probe not saved yet
+    r = client.post("/api/management/load", {"model_path": str(tiny_gguf), "model_name": "placed"},
+                    content_type="application/json", **bearer(operator.key))
+    assert r.status_code == 202 and r.json()["node"] == settings.NODE_NAME, r.content
+    register_node(name=settings.NODE_NAME, address="127.0.0.1", run="run-2")
+    r = client.post("/api/management/load", {"model_path": str(tiny_gguf), "model_name": "nowhere-yet"},
+                    content_type="application/json", **bearer(operator.key))
+    assert r.status_code == 503 and r.json()["error"]["code"] == "node_starting", r.content
+    assert r["Retry-After"] == "5"
+
+
 @pytest.mark.django_db(transaction=True)
 async def test_a_load_just_after_an_agent_start_waits_for_its_probe_and_readyz_waits_too(settings, tiny_gguf):
     from serving.planning import plan_load
