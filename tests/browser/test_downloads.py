@@ -75,6 +75,7 @@ def test_an_unknown_repo_shows_why_and_cancel_works(hub_console, page, fake_hub)
     try:
         page.fill("#repo_id", "acme/browser-model")
         page.fill("#revision", "main")
+        page.check("#dl-replace")  # the first test may have put it in the store (else: 409 model_exists)
         page.click("#download-form button[type=submit]")
         page.wait_for_function(
             "() => { const j = document.querySelector('article.job');"
