@@ -20,7 +20,7 @@ ADDED_API = {
     ("POST", "/api/management/start", "operator"),  # issue 13: start an IDLE on_demand instance
 }
 # What the proxy (the ASGI app ahead of Django) answers, beyond the Ninja operations it mirrors:
-# any POST /v1/<path> naming a model, and the engines' routes. (method, path, role); checked
+# the engines' inference routes (serving/adapters inference_routes). (method, path, role); checked
 # against a real console in tests/proxy/test_api_routes.py.
 PROXY_ROUTES = [
     ("GET", "/v1/models", "viewer"),
@@ -31,7 +31,9 @@ PROXY_ROUTES = [
     ("POST", "/v1/messages", "viewer"),
     ("POST", "/v1/messages/count_tokens", "viewer"),
     ("POST", "/v1/audio/transcriptions", "viewer"),
-    ("POST", "/v1/images/generations", "viewer"),
+    ("POST", "/v1/audio/translations", "viewer"),
+    ("POST", "/v1/chat/completions/input_tokens", "viewer"),
+    ("POST", "/v1/responses/input_tokens", "viewer"),
     ("POST", "/v1/rerank", "viewer"),
     ("POST", "/v1/reranking", "viewer"),
     ("POST", "/v1/score", "viewer"),
