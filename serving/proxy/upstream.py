@@ -46,6 +46,7 @@ FORWARD_RESPONSE_HEADERS: dict[bytes, str] = {
     b"content-type": "what the body is (JSON, SSE, audio...)",
     b"content-length": "the body's size (the relay drops it where it rewrites the body)",
     b"content-disposition": "the file name of a binary answer (audio/speech)",
+    b"content-encoding": "a body a backend compressed anyway (the console never asks) stays readable",
     b"cache-control": "SSE streams say no-cache",
     b"x-accel-buffering": "tells a reverse proxy in front of the console not to buffer a stream",
     b"retry-after": "when a backend that refused (429, 503) takes requests again",
