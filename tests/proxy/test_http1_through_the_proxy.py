@@ -207,3 +207,17 @@ async def test_a_normal_answer_still_passes(proxy):
 async def _write(writer: asyncio.StreamWriter, data: bytes) -> None:
     writer.write(data)
     await writer.drain()
+
+
+async def test_an_oversized_head_is_a_clean_502(proxy):
+    from serving.proxy.upstream import shutdown_proxy
+
+    head = b"HTTP/1.1 200 OK\r\n" + b"".join(b"X-%d: v\r\n" % i for i in range(500)) + b"Content-Length: 2\r\n\r\n{}"
+    try:
+        async with Backend(lambda request, writer: _write(writer, head)) as backend:
+            await proxy.add("big-head", backend)
+            status, _, body = await proxy.ask("big-head")
+            error = json.loads(body)["error"]
+            assert status == 502 and error["code"] == "upstream_error" and "head is over" in error["message"], body
+    finally:
+        await shutdown_proxy()
