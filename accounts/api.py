@@ -108,6 +108,11 @@ def patch_key(request: HttpRequest, key_id: int, body: KeyPatch):
     if "name" in changes and changes["name"] is None:
         raise ApiError(400, "name cannot be null.", code="invalid_request")
     if "scopes" in changes:
+        if key.pk == getattr(request, "api_key_id", None):  # it would shut itself out of what it does now
+            record_audit(action="key_change", target=f"key {key.pk} ({key.name})", request=request,
+                         outcome=AuditOutcome.REFUSED, detail={"reason": "a key changing its own scopes"})
+            raise ApiError(403, "A key cannot change its own scopes: use another key or the Keys page.",
+                           code="own_scopes")
         _within_own_scopes(request, changes["scopes"], "key_change", f"key {key.pk} ({key.name})")
     try:
         if "expires_in_days" in sent:

@@ -181,3 +181,8 @@ def test_a_key_gives_no_key_more_scopes_than_it_holds(client, admin, viewer):
     assert r.status_code == 403 and r.json()["error"]["code"] == "scope_escalation"
     assert client.patch(f"/api/keys/{made.json()['id']}", data=json.dumps({"scopes": ["inference"]}),
                         content_type="application/json", **bearer(admin.key)).status_code == 200
+    own = ApiKey.objects.get(name=f"{admin.user.username}-key").pk  # nor its own, which would shut it out
+    r = client.patch(f"/api/keys/{own}", data=json.dumps({"scopes": ["read"]}), content_type="application/json",
+                     **bearer(admin.key))
+    assert r.status_code == 403 and r.json()["error"]["code"] == "own_scopes"
+    assert ApiKey.objects.get(pk=own).scopes == ["inference", "read", "manage"]
