@@ -479,7 +479,6 @@ MULTIPART_PATHS = frozenset({"/v1/audio/transcriptions", "/v1/audio/translations
 DISPOSITION_PARAM_RE = re.compile(rb';\s*([!#$%&\'*+.^_`|~0-9A-Za-z-]+)\s*=\s*(?:"((?:[^"\\]|\\.)*)"|([^;\s]*))')
 
 
-
 def media_type(headers: dict[bytes, bytes]) -> tuple[bytes, bytes]:
     """(the lower-cased media type, its parameters) of the request's Content-Type."""
     media, _, params = headers.get(b"content-type", b"").partition(b";")
