@@ -183,7 +183,8 @@ def test_every_surface_streamed_and_not_is_billed_what_the_engine_counted(billin
 def test_a_client_that_leaves_mid_stream_is_billed_the_prompt_and_what_was_streamed(billing, engine):
     """Issue 34 A.4: a stream with a long prompt closed after its first token was logged 0 / 1."""
     _, key = new_key(billing)
-    body = body_for("chat", MODELS[engine], words(150), 150)
+    longest = 1000 if engine == "llama-server" else 300  # llama-cpp-python generates it all (below)
+    body = body_for("chat", MODELS[engine], words(150), longest)
     reference = engine_prompt_tokens(billing, engine, "chat", body)
     assert reference > 300
     with httpx.stream("POST", billing.url + PATHS["chat"], json={**body, "stream": True},
@@ -192,11 +193,15 @@ def test_a_client_that_leaves_mid_stream_is_billed_the_prompt_and_what_was_strea
         for line in r.iter_lines():
             if '"content":' in line.replace(" ", "") and '"content":null' not in line.replace(" ", ""):
                 break  # the first token: the client leaves
-    # llama-cpp-python (0.3.36) may go on generating the stream a while after the console closed
-    # its connection (seen on a reused one): it counts the prompt once it has finished
+    # llama-cpp-python (0.3.36) goes on generating a stream after its client closed the connection
+    # (until the next request interrupts it, or to its end): it counts the prompt after that
     row = row_of(billing, request_id, timeout=90)
-    assert row["status"] == 499 and row["prompt_tokens"] == reference, row
-    assert 1 <= row["completion_tokens"] < 150 and row["usage_source"] == "console", row
+    assert row["prompt_tokens"] == reference, row
+    if row["status"] == 200:  # every event had passed before the console saw the client go: a whole answer
+        assert row["completion_tokens"] >= 1, row
+    else:
+        assert row["status"] == 499 and 1 <= row["completion_tokens"] < longest, row
+        assert row["usage_source"] == "console", row
 
 
 def _raw_stream_until_done(pc: ProxyConsole, key: str, body: dict) -> tuple[str, bytes]:
@@ -238,10 +243,11 @@ def test_a_request_abandoned_before_the_first_byte_is_a_499_billed_its_prompt(bi
     """Issue 35 item 4: a client that timed out before the backend's first byte left no row and no
     usage, though the engine did the work."""
     key_id, key = new_key(billing)
-    body = body_for("chat", MODELS[engine], words(250), 300)
+    body = body_for("chat", MODELS[engine], words(250), 20)  # its prompt alone takes the engine seconds
     with pytest.raises(httpx.TimeoutException):
         httpx.post(billing.url + PATHS["chat"], json=body, headers={"Authorization": f"Bearer {key}"}, timeout=0.3)
-    deadline = time.monotonic() + 60
+    # llama-cpp-python finishes the abandoned answer before it counts anything (one request at a time)
+    deadline = time.monotonic() + 120
     rows = []
     while not rows and time.monotonic() < deadline:
         rows = httpx.get(f"{billing.url}/api/requests", params={"key": key_id}, headers=billing.auth).json()["items"]
