@@ -529,9 +529,20 @@ def _form_name(disposition: bytes) -> bytes | None:
 
 
 def multipart_model(body: bytes, params: bytes) -> dict:
-    """The `model` field of a multipart form, found as a form parser finds it: parts between the
-    boundary lines that the Content-Type names, a part's headers up to its blank line; 400 for a
-    body that is not such a form, or names `model` twice."""
+    """The `model` field of a multipart form (form_model_span): {"model": ...}, or {} without one."""
+    span = form_model_span(body, params)
+    if span is None:
+        return {}
+    try:
+        return {"model": body[span[0]:span[1]].decode("utf-8")}
+    except UnicodeDecodeError:
+        raise ProxyError(400, "The form's `model` field is not UTF-8.", code="invalid_request") from None
+
+
+def form_model_span(body: bytes, params: bytes) -> tuple[int, int] | None:
+    """Where the `model` field's value sits in a multipart form, found as a form parser finds it:
+    parts between the boundary lines that the Content-Type names, a part's headers up to its blank
+    line; 400 for a body that is not such a form, or names `model` twice."""
     boundary = multipart_boundary(params)
     if boundary is None:
         raise ProxyError(400, "A multipart Content-Type needs a valid boundary parameter.", code="invalid_request")
@@ -539,7 +550,7 @@ def multipart_model(body: bytes, params: bytes) -> dict:
     if not body.startswith(delimiter + b"\r\n"):
         raise ProxyError(400, "The body is not the multipart form its Content-Type says (it does not start with "
                               "its boundary line).", code="invalid_request")
-    found: list[bytes] = []
+    found: list[tuple[int, int]] = []
     pos = len(delimiter) + 2
     separator = b"\r\n" + delimiter
     while True:
@@ -551,7 +562,7 @@ def multipart_model(body: bytes, params: bytes) -> dict:
         for line in head.split(b"\r\n"):
             name, _, value = line.partition(b":")
             if name.strip().lower() == b"content-disposition" and _form_name(value) == b"model":
-                found.append(body[head_end + 4:end])
+                found.append((head_end + 4, end))
         after = body[end + len(separator):end + len(separator) + 2]
         if after == b"--":
             break
@@ -560,17 +571,13 @@ def multipart_model(body: bytes, params: bytes) -> dict:
         pos = end + len(separator) + 2
     if len(found) > 1:
         raise ProxyError(400, "The form names `model` more than once.", code="invalid_request")
-    if not found:
-        return {}
-    try:
-        return {"model": found[0].decode("utf-8")}
-    except UnicodeDecodeError:
-        raise ProxyError(400, "The form's `model` field is not UTF-8.", code="invalid_request") from None
+    return found[0] if found else None
 
 
-async def resolve_alias(payload: dict, body: bytes, *, multipart: bool = False) -> tuple[dict, bytes]:
-    """A `model` that is an alias stands for its served name: the JSON body is rewritten to name
-    it (backends such as vLLM check the name); a multipart body goes as it is."""
+async def resolve_alias(payload: dict, body: bytes, *, form: bytes | None = None) -> tuple[dict, bytes]:
+    """A `model` that is an alias stands for its served name: the body is rewritten to name it
+    (backends such as vLLM check the name): the JSON object, or the `model` field of a multipart
+    form (`form`: its Content-Type's parameters)."""
     model = payload.get("model")
     if not isinstance(model, str) or not model:
         return payload, body
@@ -578,8 +585,9 @@ async def resolve_alias(payload: dict, body: bytes, *, multipart: bool = False) 
     name = snap.served_name(model)
     if name == model:
         return payload, body
-    if multipart:  # only the form's model field was read
-        return {"model": name}, body
+    if form is not None:  # only the form's model field was read: it alone is replaced
+        start, end = form_model_span(body, form)
+        return {"model": name}, body[:start] + name.encode() + body[end:]
     payload = {**payload, "model": name}
     return payload, json.dumps(payload).encode()
 
@@ -646,7 +654,8 @@ async def _handle(scope, receive, send, headers: dict[bytes, bytes], ctx: Reques
     if body is None:
         return  # the client left while sending
     payload = request_payload(body, headers, path=route.upstream_path)
-    payload, body = await resolve_alias(payload, body, multipart=media_type(headers)[0] == b"multipart/form-data")
+    media, params = media_type(headers)
+    payload, body = await resolve_alias(payload, body, form=params if media == b"multipart/form-data" else None)
     ctx.principal = principal  # from here on, the request is in the request log
     body = await admit_request(ctx, payload, body, operation=usage_operation(route.upstream_path))
     try:

@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from tests.procs import stop_process
+from tests.proxy.conftest import AiohttpBackend
 
 ENGINES = ("llama-cpp-python", "llama-server")
 NAMES = {"llama-cpp-python": "rs-lcp", "llama-server": "rs-ls"}
@@ -141,6 +142,47 @@ def test_a_form_is_routed_by_its_model_field_as_the_engine_reads_it(engines):
     r = httpx.post(f"{console.url}/v1/audio/transcriptions", content=twice, timeout=30,
                    headers={**console.auth, "Content-Type": "multipart/form-data; boundary=b1"})
     assert r.status_code == 400 and "more than once" in r.json()["error"]["message"]
+
+
+class FormBackend(AiohttpBackend):
+    """Answers POST /v1/audio/transcriptions as an engine would, keeping each body and its Content-Type."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, bytes]] = []
+        super().__init__()
+
+    def add_routes(self, app) -> None:
+        from aiohttp import web
+
+        async def transcribe(request: web.Request) -> web.Response:
+            self.seen.append((request.headers["Content-Type"], await request.read()))
+            return web.json_response({"text": "ok"})
+
+        app.router.add_post("/v1/audio/transcriptions", transcribe)
+
+
+def test_an_alias_in_a_form_reaches_the_engine_as_the_served_name(engines):
+    """vLLM checks the model a form names: its `model` part is rewritten to the served name, as a
+    JSON body's `model` is (it went as the alias)."""
+    console, servers = engines
+    engine = FormBackend()
+    rows = [{"name": NAMES[e], "port": s.port, "backend": e} for e, s in servers.items()]
+    try:
+        console.set_instances([*rows, {"name": "whisper", "port": engine.port, "backend": "vllm",
+                                       "aliases": ["whisper-alias"]}])
+        console.wait_models({*NAMES.values(), "whisper"})
+        form = (b"--b1\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\nwhisper-alias\r\n"
+                b"--b1\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.wav\"\r\n\r\nRIFF\r\n--b1--\r\n")
+        r = httpx.post(f"{console.url}/v1/audio/transcriptions", content=form, timeout=30,
+                       headers={**console.auth, "Content-Type": "Multipart/Form-Data; boundary=b1"})
+        assert r.status_code == 200 and r.json() == {"text": "ok"}, r.text
+        content_type, body = engine.seen[-1]
+        assert content_type == "multipart/form-data; boundary=b1"
+        assert body == form.replace(b"whisper-alias", b"whisper")
+    finally:
+        console.set_instances(rows)
+        console.wait_models(set(NAMES.values()))
+        engine.stop()
 
 
 ODD_TYPES = ["", "application/json", 'APPLICATION/JSON;charset="utf-8"', "application/json; charset=", ";",
