@@ -181,8 +181,9 @@ def test_every_surface_streamed_and_not_is_billed_what_the_engine_counted(billin
 
 @pytest.mark.parametrize("engine", ENGINES)
 def test_a_client_that_leaves_mid_stream_is_billed_the_prompt_and_what_was_streamed(billing, engine):
-    """Issue 34 A.4: a stream with a long prompt closed after its first token was logged 0 / 1."""
-    _, key = new_key(billing)
+    """Issue 34 A.4: a stream with a long prompt closed after its first token was logged 0 / 1.
+    Issue 32 #3: /api/usage bills the cancelled stream what its row says."""
+    key_id, key = new_key(billing)
     longest = 1000 if engine == "llama-server" else 300  # llama-cpp-python generates it all (below)
     body = body_for("chat", MODELS[engine], words(150), longest)
     reference = engine_prompt_tokens(billing, engine, "chat", body)
@@ -202,6 +203,8 @@ def test_a_client_that_leaves_mid_stream_is_billed_the_prompt_and_what_was_strea
     else:
         assert row["status"] == 499 and 1 <= row["completion_tokens"] < longest, row
         assert row["usage_source"] == "console", row
+    assert _wait_usage(billing, key_id, 1) == {"requests": 1, "errors": 0, "prompt_tokens": row["prompt_tokens"],
+                                               "completion_tokens": row["completion_tokens"]}
 
 
 def _raw_stream_until_done(pc: ProxyConsole, key: str, body: dict) -> tuple[str, bytes]:
