@@ -5,6 +5,7 @@ reset would clear the address too, so an attacker with an account of their own c
 it every 9 tries and go on guessing another user's password from the same address)."""
 from __future__ import annotations
 
+from axes.backends import AxesStandaloneBackend
 from django.conf import settings
 from django.contrib.auth.forms import AuthenticationForm
 from django.http import HttpRequest, HttpResponse
@@ -12,6 +13,17 @@ from django.shortcuts import render
 
 from accounts.audit import record_audit
 from accounts.models import AuditOutcome
+
+
+class SignInThrottleBackend(AxesStandaloneBackend):
+    """axes' check, for sign-ins that come with a request (the sign-in page); a check of a password
+    without one (a management shell, a script) goes on to the next backend, where axes raised."""
+
+    def authenticate(self, request: HttpRequest | None, username: str | None = None, password: str | None = None,
+                     **kwargs: object) -> None:
+        if request is None:
+            return None
+        return super().authenticate(request, username=username, password=password, **kwargs)
 
 
 def cooloff_text() -> str:

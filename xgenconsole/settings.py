@@ -156,7 +156,7 @@ MIDDLEWARE = [
 
 # Sign-in throttle (django-axes): after XGEN_LOGIN_FAILURE_LIMIT failed sign-ins for one user name,
 # or from one client address, every sign-in there is refused (429) for XGEN_LOGIN_COOLOFF_S seconds.
-AUTHENTICATION_BACKENDS = ["axes.backends.AxesStandaloneBackend", "django.contrib.auth.backends.ModelBackend"]
+AUTHENTICATION_BACKENDS = ["accounts.signin.SignInThrottleBackend", "django.contrib.auth.backends.ModelBackend"]
 AXES_FAILURE_LIMIT = env_int("XGEN_LOGIN_FAILURE_LIMIT", 10, minimum=1, maximum=1000)
 AXES_COOLOFF_TIME = timedelta(seconds=env_int("XGEN_LOGIN_COOLOFF_S", 900, minimum=1, maximum=7 * 86400))
 AXES_LOCKOUT_PARAMETERS = ["username", "ip_address"]  # each on its own: a name, or an address

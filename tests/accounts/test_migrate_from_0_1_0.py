@@ -215,7 +215,8 @@ def _rows_kept(before: dict[str, list[dict]], after: dict[str, list[dict]]) -> l
     return lost
 
 
-KEY_LIMIT_COLUMNS = {"allowed_models", "rpm", "tpm", "daily_tokens", "monthly_tokens", "priority"}
+# The key limits (accounts 0003) and the key scopes (accounts 0005, issue 34 #20).
+KEY_LIMIT_COLUMNS = {"allowed_models", "rpm", "tpm", "daily_tokens", "monthly_tokens", "priority", "scopes"}
 
 
 def _upgrade(tmp_path: Path, release_tree: Path, *, database_url: str | None = None,

@@ -77,3 +77,11 @@ def test_tries_during_a_lockout_add_no_rows(admin):
     for i in range(20):  # new names each time, as a client filling the table would send
         assert _sign_in("10.0.0.6", f"more-{i}", "wrong") == 429
     assert AccessAttempt.objects.count() == rows
+
+
+def test_a_password_checked_without_a_request_still_works(admin):
+    """A shell or a script (no request) checks a password as before: the throttle is the sign-in page's."""
+    from django.contrib.auth import authenticate
+
+    assert authenticate(username=admin.user.username, password=admin.password) == admin.user
+    assert authenticate(username=admin.user.username, password="wrong") is None
