@@ -47,6 +47,9 @@ class GateBackend(AiohttpBackend):
         async def chat(request: web.Request) -> web.StreamResponse:
             body = await request.json()
             tag = body["messages"][0]["content"]
+            if not body.get("stream"):  # the console counting a prompt the engine did not report: at once
+                return web.json_response({"object": "chat.completion", "choices": [], "usage": {
+                    "prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}})
             self.arrived.append(tag)
             if tag.startswith("hold"):  # a long prefill: no answer at all until released
                 await self._gate(tag).wait()
@@ -55,6 +58,10 @@ class GateBackend(AiohttpBackend):
             chunk = {"object": "chat.completion.chunk", "choices": [{"delta": {"content": tag}}]}
             await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
             await self._gate(tag).wait()
+            if (body.get("stream_options") or {}).get("include_usage"):  # as the engines do when asked
+                usage = {"object": "chat.completion.chunk", "choices": [],
+                         "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}}
+                await response.write(b"data: " + json.dumps(usage).encode() + b"\n\n")
             await response.write(b"data: [DONE]\n\n")
             await response.write_eof()
             return response
