@@ -241,12 +241,13 @@ def _upgrade(tmp_path: Path, release_tree: Path, *, database_url: str | None = N
     after = _shell(REPO, new_env, SNAPSHOT, "SNAPSHOT")
     assert _rows_kept(before["rows"], after["rows"]) == []
     for table in ("xgenconsole_user", "xgenconsole_user_groups",
-                  "xgenconsole_user_user_permissions", "hub_downloadjob"):
+                  "xgenconsole_user_user_permissions"):
         assert after["schema"][table] == before["schema"][table], f"{table} changed shape"
     # 0.2 adds columns to instances (the launch plan, the replica number, aliases) and the key
     # limits to the keys table (accounts 0003): every 0.1.0 column and constraint (the foreign
-    # keys included) is still there, unchanged.
-    for table in ("serving_modelinstance", "xgenconsole_apikey"):
+    # keys included) is still there, unchanged. 0.3 adds the download child's pid/pgid and
+    # `replace` to download jobs (hub 0006) the same way.
+    for table in ("serving_modelinstance", "xgenconsole_apikey", "hub_downloadjob"):
         kept, now = before["schema"][table], after["schema"][table]
         assert [c for c in kept["columns"] if c not in now["columns"]] == [], f"{table} lost a column"
         assert {k: v for k, v in kept["constraints"].items() if now["constraints"].get(k) != v} == {}, table
