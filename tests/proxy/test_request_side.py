@@ -24,7 +24,8 @@ def engines(proxy_console_uvicorn, backends):
     """uvicorn, the default server (under daphne, Twisted answers a bare 400 itself to a body
     labelled multipart that it cannot parse as one, before the console sees it)."""
     proxy_console = proxy_console_uvicorn
-    servers = {engine: backends.start(NAMES[engine], engine=engine) for engine in ENGINES}
+    # room for the slot test's long generation: 400 tokens were often done before /slots was read
+    servers = {engine: backends.start(NAMES[engine], engine=engine, n_ctx=16384) for engine in ENGINES}
     proxy_console.set_instances([{"name": NAMES[e], "port": s.port, "backend": e} for e, s in servers.items()])
     proxy_console.wait_models(set(NAMES.values()))
     yield proxy_console, servers
@@ -218,14 +219,15 @@ def test_a_slot_is_free_once_its_client_left_even_with_a_conversation_id(engines
     The header never reaches the engine now, so leaving frees the slot."""
     console, servers = engines
     slots_url = f"{servers['llama-server'].base_url}/slots"
-    body = {"model": "rs-ls", "prompt": "once", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    body = {"model": "rs-ls", "prompt": "once", "max_tokens": 8000, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{console.url}/v1/completions", json=body, timeout=60,
                       headers={**console.auth, "X-Conversation-Id": "conv-shared"}) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 break
-        assert any(slot["is_processing"] for slot in httpx.get(slots_url).json())  # generating now
+        got = httpx.get(slots_url)
+        assert any(slot["is_processing"] for slot in got.json()), (got.status_code, got.text[:500])  # generating now
     left = time.monotonic()
     while any(slot["is_processing"] for slot in httpx.get(slots_url).json()):
         assert time.monotonic() - left < 10, "the slot is still busy 10 s after its client left"
