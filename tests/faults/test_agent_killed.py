@@ -29,6 +29,19 @@ if gate and "llama_cpp.server" in sys.orig_argv:
 """
 
 
+def gated_backend_env(tmp_path, **extra: str) -> tuple:
+    """The gate file that holds backends back while it exists (GATE_SITE, put on PYTHONPATH), and
+    the console environment that installs it, with `extra` settings added."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(GATE_SITE)
+    gate = tmp_path / "backend-gate"
+    gate.touch()
+    env = {"PYTHONPATH": os.pathsep.join([str(site), *filter(None, [os.environ.get("PYTHONPATH")])]),
+           "XGEN_FAULTS_BACKEND_GATE": str(gate), **extra}
+    return gate, env
+
+
 def _cache_state(c, prefix: str) -> str:
     return c.shell(f"from hub.models import CacheEntry; print(CacheEntry.objects.get(prefix={prefix!r}).state)")
 
@@ -73,14 +86,8 @@ def test_agent_killed_while_caching_resumes_to_ready(tmp_path, tiny_gguf, s3, fa
 
 
 def test_agent_killed_while_loading_leaves_no_orphan(tmp_path, tiny_gguf, consoles):
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(GATE_SITE)
-    gate = tmp_path / "backend-gate"
-    gate.touch()
+    gate, env = gated_backend_env(tmp_path)
     data = tmp_path / "console"
-    env = {"PYTHONPATH": os.pathsep.join([str(site), *filter(None, [os.environ.get("PYTHONPATH")])]),
-           "XGEN_FAULTS_BACKEND_GATE": str(gate)}
     first = open_console(data, extra_env=env)
     consoles.append(first)
     r = first.post("/api/management/load", {"model_path": str(tiny_gguf), "model_name": "tiny-load-kill"})

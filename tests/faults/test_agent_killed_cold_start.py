@@ -4,26 +4,19 @@ not left hanging, the half-started backend does not outlive the restart, the ins
 or back at IDLE (never stuck on its way up), and the next request is answered and counted once."""
 from __future__ import annotations
 
-import os
 import threading
 import time
 
 import httpx
 
 from tests.faults.conftest import open_console, serve_backends
-from tests.faults.test_agent_killed import GATE_SITE
+from tests.faults.test_agent_killed import gated_backend_env
 from tests.procs import pid_alive
 
 
 def test_console_killed_during_a_cold_start_recovers_with_one_backend(tmp_path, tiny_gguf, consoles):
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(GATE_SITE)
-    gate = tmp_path / "backend-gate"
-    gate.touch()
+    gate, env = gated_backend_env(tmp_path, XGEN_USAGE_FLUSH="1", XGEN_COLD_START_KEEPALIVE_S="1")
     data = tmp_path / "console"
-    env = {"PYTHONPATH": os.pathsep.join([str(site), *filter(None, [os.environ.get("PYTHONPATH")])]),
-           "XGEN_FAULTS_BACKEND_GATE": str(gate), "XGEN_USAGE_FLUSH": "1", "XGEN_COLD_START_KEEPALIVE_S": "1"}
     first = open_console(data, extra_env=env)
     consoles.append(first)
     r = first.post("/api/management/load", {"model_path": str(tiny_gguf), "model_name": "tiny-cold-kill",
