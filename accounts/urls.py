@@ -4,11 +4,7 @@ from django.urls import path
 from accounts import views
 
 urlpatterns = [
-    path(
-        "accounts/login/",
-        auth_views.LoginView.as_view(template_name="accounts/login.html", redirect_authenticated_user=True),
-        name="login",
-    ),
+    path("accounts/login/", views.SignIn.as_view(), name="login"),
     path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("accounts/password/", views.PasswordChange.as_view(), name="password-change"),
     path("users/", views.users_page, name="users"),

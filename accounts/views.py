@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from django.contrib import messages
 from django.contrib.auth.forms import PasswordChangeForm
-from django.contrib.auth.views import PasswordChangeView
+from django.contrib.auth.views import LoginView, PasswordChangeView
+from django.db import connection
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.urls import reverse_lazy
@@ -26,6 +27,19 @@ from accounts.services import (
 )
 
 AUDIT_PAGE_SIZE = 100
+
+
+class SignIn(LoginView):
+    """Django's sign-in page that first asks the database: while it is away the page says so
+    (503, xgenconsole.views.server_error) instead of a form that could only fail."""
+
+    template_name = "accounts/login.html"
+    redirect_authenticated_user = True
+
+    def get(self, request: HttpRequest, *args, **kwargs) -> HttpResponse:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT 1")
+        return super().get(request, *args, **kwargs)
 
 
 class PasswordChange(PasswordChangeView):

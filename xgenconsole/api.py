@@ -19,6 +19,7 @@ from live.db import connection_lost
 from serving.api import management_router
 from serving.inference_api import router as inference_router
 from serving.usage_api import requests_router, usage_router
+from xgenconsole.views import database_unavailable
 
 log = logging.getLogger(__name__)
 
@@ -100,8 +101,7 @@ def on_not_found(request: HttpRequest, exc: Http404):
 def on_database_error(request: HttpRequest, exc: Exception):
     if not connection_lost(exc):
         return on_unexpected(request, exc)
-    log.warning("database unavailable on %s %s: %s", request.method, request.path, exc)
-    return json_error(503, "The database is unavailable; try again in a moment.", code="database_unavailable")
+    return database_unavailable(request, exc)
 
 
 @api.exception_handler(Exception)

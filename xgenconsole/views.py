@@ -4,19 +4,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import uuid
 
 from channels.layers import get_channel_layer
 from django.contrib.auth.decorators import login_not_required
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import render
+from django.template.loader import render_to_string
 from django.views.decorators.csrf import csrf_exempt
 
 from accounts.errors import json_error
 from accounts.query import InvalidQueryParam
 from hardware.models import Node
 from hardware.services import local_inventory_pending
-from live.db import run_db
+from live.db import connection_lost, run_db
 
 log = logging.getLogger(__name__)
 
@@ -127,8 +129,44 @@ def not_found(request: HttpRequest, exception: Exception | None = None) -> HttpR
     return render(request, "404.html", status=404)
 
 
+DATABASE_RETRY_AFTER_S = 5
+
+
+def database_lost(exc: BaseException | None) -> bool:
+    """Whether `exc` says the database cannot be reached now (Django's wrapped errors, or psycopg's own)."""
+    if exc is None:
+        return False
+    if connection_lost(exc):
+        return True
+    try:
+        import psycopg
+    except ImportError:  # SQLite-only installs
+        return False
+    # Raised outside Django's cursor wrapper; a lost connection has no SQLSTATE or class 08.
+    state = getattr(exc, "sqlstate", None)
+    return isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError)) and (not state or state.startswith("08"))
+
+
+def database_unavailable(request: HttpRequest, exc: BaseException | None = None) -> HttpResponse:
+    """The one 503 for a database that is away: JSON on the API, a page elsewhere. The page is
+    rendered without the request's context (its user and session would ask the database)."""
+    log.warning("database unavailable on %s %s: %s", request.method, request.path, exc)
+    if request.path.startswith(("/api/", "/v1/")):
+        response = json_error(503, "The database is unavailable; try again in a moment.", code="database_unavailable")
+    else:
+        response = HttpResponse(render_to_string("503.html"), status=503)
+    response["Retry-After"] = str(DATABASE_RETRY_AFTER_S)
+    return response
+
+
 @login_not_required
 def server_error(request: HttpRequest) -> HttpResponse:
+    """A 500, or the 503 above when what failed was reaching the database: Django calls this for an
+    exception from any view or middleware (the session and user are loaded in middleware), inside
+    the except block, so sys.exc_info() holds it (asgiref carries it into the handler's thread)."""
+    exc = sys.exc_info()[1]
+    if database_lost(exc):
+        return database_unavailable(request, exc)
     if request.path.startswith(("/api/", "/v1/")):
         return json_error(500, "Internal error; the server log has the details.", code="internal_error")
     return render(request, "500.html", status=500)
