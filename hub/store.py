@@ -49,6 +49,8 @@ PART_SUFFIX = ".xgen-part"  # the filesystem store's file in the making (hub.lay
 assert PART_SUFFIX in TEMP_SUFFIXES
 
 ByteProgress = Callable[[int], None]  # called with the number of new bytes
+# S3 error codes that say "not now" rather than "no" (AWS's retryable ones).
+_S3_TRANSIENT = frozenset({"InternalError", "ServiceUnavailable", "SlowDown", "RequestTimeout"})
 
 
 class StoreError(RuntimeError):
@@ -57,6 +59,11 @@ class StoreError(RuntimeError):
 
 class ObjectMissing(StoreError):
     """The object named does not exist in the store."""
+
+
+class StoreUnreachable(StoreError):
+    """The store could not be reached or failed on its side (refused, cut, timed out, a 5xx):
+    the same request may succeed later, unlike a missing object or a refusal."""
 
 
 class NotARegularFile(StoreError):
@@ -578,11 +585,17 @@ class MinioModelStore(ModelStore):
             self._bucket_ready = True
 
     def _wrap(self, exc: Exception, key: str) -> StoreError:
-        from minio.error import S3Error
+        import urllib3
+        from minio.error import InvalidResponseError, S3Error, ServerError
 
         if isinstance(exc, S3Error) and exc.code in ("NoSuchKey", "NoSuchBucket"):
             return ObjectMissing(f"{key} is not in the store")
-        return StoreError(f"store {self.describe()} failed on {key}: {exc.__class__.__name__}: {exc}")
+        message = f"store {self.describe()} failed on {key}: {exc.__class__.__name__}: {exc}"
+        status = getattr(getattr(exc, "response", None), "status", 0) or 0
+        if (isinstance(exc, (urllib3.exceptions.HTTPError, OSError, ServerError, InvalidResponseError))
+                or (isinstance(exc, S3Error) and (status >= 500 or exc.code in _S3_TRANSIENT))):
+            return StoreUnreachable(message)
+        return StoreError(message)
 
     def iter_objects(self, prefix: str) -> Iterator[StoreObject]:
         self._ensure_bucket()

@@ -32,6 +32,7 @@ from django.utils import timezone
 
 from hardware.process_memory import gpu_leaks, gpu_memory_by_pid, group_pids, measure_group
 from hub.cache import resolve_model_path, sync_to_cache
+from hub.store import StoreUnreachable
 from live.db import db_async
 from serving import events
 from serving.adapters import BackendAdapter, get_adapter
@@ -83,10 +84,22 @@ WARMUP_TIMEOUT_S = 120
 PROGRESS_EVERY_S = 0.5
 
 LOADED, LOAD_FAILED, CRASHED, STOPPED = "loaded", "load_failed", "crashed", "stopped"
+STORE_DOWN = "store_down"
+STORE_RETRY_MAX_S = 60  # a store that comes back is noticed within a minute, however long it was away
 
 
 class LoadFailed(Exception):
     """The backend could not be started or did not become ready (message for the page)."""
+
+
+class StoreDown(LoadFailed):
+    """The copy into the cache failed because the store could not be reached: tried again later."""
+
+
+def store_retry_delay(retries: int) -> float:
+    """Seconds before store try `retries + 1`: the crash backoff (XGEN_RESTART_BACKOFF doubling),
+    at least 1 s (a backoff of 0 must not hammer a dead store), at most STORE_RETRY_MAX_S."""
+    return float(min(STORE_RETRY_MAX_S, max(1, settings.RESTART_BACKOFF_S) * 2 ** min(retries, 16)))
 
 
 def _db(fn):
@@ -135,6 +148,7 @@ class BackendRun:
     lifecycle: asyncio.Task | None = None
     stopper: asyncio.Task | None = None
     did_not_come_up: str = ""  # why the last start failed (exited, never healthy, warm-up), with its last line
+    store_down: str = ""  # why the last copy from the store failed, when the store could not be reached
     pids: list[int] = field(default_factory=list)  # the group's processes when last measured
     secret: str = field(default="", repr=False)  # the bearer token the backend requires (made at launch)
 
@@ -300,9 +314,9 @@ class Supervisor(AgentWorker):
     # ------------------------------------------------------------ lifecycle
     async def _lifecycle(self, run: BackendRun) -> None:
         try:
-            outcome = await (self._watch_ready(run) if run.adopted else self._run_once(run))
+            outcome = await (self._watch_ready(run) if run.adopted else self._run_stored(run))
             if outcome == LOAD_FAILED and not run.stopping and await self._fall_back(run):
-                outcome = await self._run_once(run)
+                outcome = await self._run_stored(run)
             while outcome == CRASHED and not run.stopping:
                 inst = await db_get(run.instance_id)
                 if inst is None or inst.desired_state != DesiredState.RUNNING:
@@ -321,7 +335,7 @@ class Supervisor(AgentWorker):
                               f"restart {inst.restarts + 1} of {settings.RESTART_LIMIT} after a crash",
                               restarts=inst.restarts + 1)
                 run.adopted = False
-                outcome = await self._run_once(run)
+                outcome = await self._run_stored(run)
         except asyncio.CancelledError:
             raise
         except IllegalTransition as exc:  # the row moved under us (an unload, most often): nothing may run
@@ -338,6 +352,26 @@ class Supervisor(AgentWorker):
                 await self._stop_tailer(run)
                 if run.exited():
                     self.runs.pop(run.instance_id, None)
+
+    async def _run_stored(self, run: BackendRun) -> str:
+        """_run_once, tried again with backoff while the store cannot be reached (issue 35 #8): an
+        outage of the store is transient, so the instance waits in ERROR saying when it tries next,
+        with no retry limit (an unload or a restart ends the wait)."""
+        outcome = await self._run_once(run)
+        retries = 0
+        while outcome == STORE_DOWN and not run.stopping:
+            delay = store_retry_delay(retries)
+            message = f"{run.store_down[:400]}; store unreachable, retrying in {delay:g} s"
+            await db_mark(run.instance_id, ModelInstance.mark_error, message, last_error=message)
+            await asyncio.sleep(delay)
+            inst = await db_get(run.instance_id)
+            if run.stopping or inst is None or inst.desired_state != DesiredState.RUNNING:
+                return STOPPED
+            retries += 1
+            await db_mark(run.instance_id, ModelInstance.mark_pending,
+                          f"store try {retries + 1}: copying {run.plan.model_path if run.plan else 'the model'} again")
+            outcome = await self._run_once(run)
+        return outcome
 
     async def _run_once(self, run: BackendRun) -> str:
         """Start the backend from the instance's plan and bring it to READY, then watch it."""
@@ -363,6 +397,9 @@ class Supervisor(AgentWorker):
             env = backend_environment({**plan.env, **run.adapter.key_env(secret)}, os.environ)
             if str(key_file) in argv:
                 await asyncio.to_thread(write_key_file, key_file, secret)
+        except StoreDown as exc:
+            run.store_down = str(exc)  # _run_stored records it with the time of the next try
+            return STORE_DOWN
         except (LoadFailed, LoadRefused) as exc:
             message = exc.message if isinstance(exc, LoadRefused) else str(exc)
             await db_mark(run.instance_id, ModelInstance.mark_error, message, last_error=message)
@@ -456,7 +493,8 @@ class Supervisor(AgentWorker):
                 await copy
             raise
         except Exception as exc:
-            raise LoadFailed(f"copying {plan.model_path} from the store failed: {exc}") from exc
+            kind = StoreDown if isinstance(exc, StoreUnreachable) else LoadFailed
+            raise kind(f"copying {plan.model_path} from the store failed: {exc}") from exc
         finally:
             run.cancel_copy = None
         return Path(resolve_model_path(local, plan.format))
