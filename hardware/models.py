@@ -45,6 +45,12 @@ class Node(models.Model):
     inventory_run = models.CharField(max_length=32, blank=True, default="", db_default="",
                                      help_text="the agent run the stored inventory came from")
     inventory_at = models.DateTimeField(null=True, blank=True, help_text="when the inventory was saved")
+    # Which agent process holds the node: a second agent of the same name is refused while this
+    # one beats (issue 35 #2); '' once it stopped cleanly (the next one takes the node at once).
+    agent_id = models.CharField(max_length=32, blank=True, default="", db_default="",
+                                help_text="the id of the agent process holding the node ('': none)")
+    agent_host = models.CharField(max_length=300, blank=True, default="", db_default="",
+                                  help_text="the holding agent's host: hostname#boot id")
 
     class Meta:
         ordering = ["name"]

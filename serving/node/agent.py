@@ -19,7 +19,15 @@ from channels.layers import get_channel_layer
 from django.conf import settings
 
 from hardware.inventory import InventoryWorker
-from hardware.services import LOCAL_AGENT_RUNS, record_heartbeat, register_node
+from hardware.services import (
+    LOCAL_AGENT_RUNS,
+    NodeHeld,
+    NodeTaken,
+    host_identity,
+    record_heartbeat,
+    register_node,
+    release_node,
+)
 from history.worker import DownsampleWorker
 from hub.worker import HubWorker
 from live.db import DatabaseUnavailable, run_db
@@ -33,6 +41,10 @@ log = logging.getLogger("xgen.agent")
 
 class AgentAlreadyRunning(RuntimeError):
     """Another agent holds this node's lock."""
+
+
+# What stops an agent before or during its run because another agent has the node: exit non-zero.
+AGENT_REFUSED = (AgentAlreadyRunning, NodeHeld, NodeTaken)
 
 
 def default_workers() -> list[AgentWorker]:
@@ -60,6 +72,14 @@ class NodeAgent:
         # This run's id: the node's inventory is stale until this run saves one. An agent without
         # the hardware worker saves none, so it registers without one (nothing waits for it).
         self.run_id = uuid.uuid4().hex if any(w.name == "hardware" for w in self.workers) else ""
+        # This process's claim on the node (every agent has one): no second agent takes a live node.
+        self.agent_id = uuid.uuid4().hex
+        self.host = host_identity()
+        # Set when another agent took the node: stop without touching the node's instances.
+        self.displaced: NodeTaken | None = None
+        self._lost = asyncio.Event()
+        self._registered = False
+        self._started_workers: list[AgentWorker] = []
 
     def acquire_lock(self) -> None:
         """A file lock makes the agent a singleton per node (per data dir)."""
@@ -95,29 +115,52 @@ class NodeAgent:
                 asyncio.create_task(self._heartbeat_loop(), name="agent-heartbeat"),
                 asyncio.create_task(self._nudge_listener(), name="agent-nudges"),
             ] + [asyncio.create_task(self._run_worker(w), name=f"agent-{w.name}") for w in self.workers]
-            await stop.wait()
+            stopped, lost = asyncio.create_task(stop.wait()), asyncio.create_task(self._lost.wait())
+            try:
+                await asyncio.wait({stopped, lost}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                stopped.cancel()
+                lost.cancel()
         finally:
             for task in self._tasks:
                 task.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
             await self.shutdown()
+            if self._registered and self.displaced is None:
+                await self._release()
             if LOCAL_AGENT_RUNS.get(self.name) == self.run_id:
                 LOCAL_AGENT_RUNS.pop(self.name, None)
             self.release_lock()
+        if self.displaced is not None:
+            raise self.displaced
 
     async def start(self) -> None:
-        await run_db(register_node, name=self.name, address=self.address, run=self.run_id)
+        # Refused (NodeHeld) before any worker starts: a duplicate adopts, stops and writes nothing.
+        await run_db(register_node, name=self.name, address=self.address, run=self.run_id,
+                     agent_id=self.agent_id, host=self.host)
+        self._registered = True
         log.info("node agent %s registered (address %s, pid %s)", self.name, self.address, os.getpid())
         for worker in self.workers:
+            self._started_workers.append(worker)
             await worker.start(self)
 
+    async def _release(self) -> None:
+        """Free the node for the next agent at once (a restart need not wait for the heartbeat to age)."""
+        try:
+            async with asyncio.timeout(5):  # a database that is away must not hold the stop
+                await run_db(release_node, name=self.name, agent_id=self.agent_id)
+        except Exception as exc:
+            log.warning("could not free node %s (%s); the next agent takes it once the heartbeat is stale",
+                        self.name, exc)
+
     async def shutdown(self) -> None:
-        for worker in reversed(self.workers):
+        for worker in reversed(self._started_workers):
             try:
                 await worker.stop(self)
             except Exception:
                 log.exception("stopping %s failed", worker.name)
-        log.info("node agent %s stopped", self.name)
+        if self._registered:
+            log.info("node agent %s stopped", self.name)
 
     async def _run_worker(self, worker: AgentWorker) -> None:
         """A worker's loop; a crash is logged and the loop restarted, never the agent lost."""
@@ -151,6 +194,11 @@ class NodeAgent:
             await asyncio.sleep(settings.HEARTBEAT_INTERVAL_S)
             try:
                 await run_db(self._heartbeat)
+            except NodeTaken as exc:  # never fight the new holder: stop, leaving the node's rows to it
+                log.error("%s", exc)
+                self.displaced = exc
+                self._lost.set()
+                return
             except DatabaseUnavailable as exc:  # a restart: no traceback every second
                 log.warning("heartbeat failed, the database is unavailable (%s); retrying", exc)
             except Exception:
@@ -159,7 +207,7 @@ class NodeAgent:
     def _heartbeat(self) -> None:
         # Workers that own backend processes expose them as `runs` (the supervisor).
         running = sum(len(getattr(w, "runs", {})) for w in self.workers)
-        record_heartbeat(name=self.name, instances_running=running)
+        record_heartbeat(name=self.name, instances_running=running, agent_id=self.agent_id, host=self.host)
 
     async def _nudge_listener(self) -> None:
         """Web processes `group_send` to node.<name>; any message wakes the reconcile loop.

@@ -204,6 +204,9 @@ class Supervisor(AgentWorker):
         """Stop every backend this agent runs. Autostart instances start again with the next agent;
         the others stay stopped (an on_demand one goes back to IDLE, started by the next request)."""
         self.closing = True
+        if agent.displaced is not None:
+            await self._abandon(agent)
+            return
         try:
             rows = await _db(lambda: {pk: (auto, policy) for pk, auto, policy in ModelInstance.objects.filter(
                 pk__in=list(self.runs)).values_list("pk", "autostart", "policy")})()
@@ -226,6 +229,26 @@ class Supervisor(AgentWorker):
                 stops.append(self._leave(pk, DesiredState.STOPPED,
                                          "node agent stopped (not marked autostart: stays stopped; Restart starts it)"))
         await asyncio.gather(*stops, return_exceptions=True)
+        if self.http is not None:
+            await self.http.aclose()
+
+    async def _abandon(self, agent: NodeAgent) -> None:
+        """Another agent took the node: its rows are the new holder's, so none is written here.
+        On the same host the new agent adopted (or stopped) these backends already: leave them;
+        on another host they are orphans that would hold this host's memory: kill them."""
+        same_host = agent.displaced.holder_host == agent.host
+        for run in list(self.runs.values()):
+            run.stopping = True
+            if run.lifecycle is not None and not run.lifecycle.done():
+                run.lifecycle.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await run.lifecycle
+            if not same_host:
+                with contextlib.suppress(Exception):
+                    await self._kill(run)
+            with contextlib.suppress(Exception):
+                await self._stop_tailer(run)
+        self.runs.clear()
         if self.http is not None:
             await self.http.aclose()
 

@@ -7,11 +7,12 @@ import signal
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
-from serving.node.agent import AgentAlreadyRunning, NodeAgent
+from serving.node.agent import AGENT_REFUSED, NodeAgent
 
 
 class Command(BaseCommand):
-    help = "Run the node agent for this node (a file lock keeps it a singleton)."
+    help = ("Run the node agent for this node (one per node name: a second one, while the first beats "
+            "heartbeats, is refused).")
 
     def add_arguments(self, parser):
         parser.add_argument("--name", default=None, help=f"node name (default XGEN_NODE_NAME or {settings.NODE_NAME})")
@@ -29,5 +30,5 @@ class Command(BaseCommand):
 
         try:
             asyncio.run(main())
-        except AgentAlreadyRunning as exc:
+        except AGENT_REFUSED as exc:  # another agent has this node: exit 1 saying which
             raise CommandError(str(exc)) from None
