@@ -147,6 +147,16 @@ def database_lost(exc: BaseException | None) -> bool:
     return isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError)) and (not state or state.startswith("08"))
 
 
+class DatabaseAwayTracebacks(logging.Filter):
+    """django.request logs each 5xx with its traceback; for a database that is away the warning of
+    database_unavailable says why in one line, and 140 lines per page view would bury an outage's log."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and database_lost(record.exc_info[1]):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
 def database_unavailable(request: HttpRequest, exc: BaseException | None = None) -> HttpResponse:
     """The one 503 for a database that is away: JSON on the API, a page elsewhere. The page is
     rendered without the request's context (its user and session would ask the database)."""

@@ -82,6 +82,9 @@ def test_pages_answer_503_with_a_message_while_the_database_is_away(tmp_path, s3
             client.close()
         log = web.log
         assert "Internal Server Error" not in log, log[-3000:]
+        outage = log[log.index("database unavailable on GET /"):log.rindex("database unavailable on ")]
+        # Each 503 is a warning saying why and Django's one line; no traceback (140 lines a page view).
+        assert "Service Unavailable: /models/" in outage and "Traceback" not in outage, outage[:3000]
     finally:
         destroy_cluster(cluster)
         forwarder.stop()
