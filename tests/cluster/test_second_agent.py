@@ -164,12 +164,32 @@ def test_a_cleanly_stopped_agent_frees_its_node_at_once(one_node, ready_model):
     del one_node.agents[NODE]
     assert _node_row(one_node)["agent_id"] == ""
     # Well inside the 30 s a heartbeat takes to go stale: only the freed row lets it in.
-    successor = _agent(one_node, "node1-next")
-    try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and "registered" not in successor.log and successor.proc.poll() is None:
-            time.sleep(0.3)
-        assert "registered" in successor.log, successor.log[-3000:]
-        assert _node_row(one_node)["pid"] == successor.proc.pid
-    finally:
-        assert stop_process(successor.proc, timeout=40) == 0, successor.log[-3000:]
+    successor = one_node.agents[NODE] = _agent(one_node, "node1-next")
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and "registered" not in successor.log and successor.proc.poll() is None:
+        time.sleep(0.3)
+    assert "registered" in successor.log, successor.log[-3000:]
+    assert _node_row(one_node)["pid"] == successor.proc.pid
+
+
+def test_an_agent_whose_node_went_to_another_host_kills_its_backends_and_writes_nothing(one_node, ready_model):
+    """A holder on another host started its own backends for node1's instances: this agent's
+    are orphans here, so it kills them, and leaves the rows (the new holder's) as they are."""
+    agent, iid = one_node.agents[NODE], ready_model["id"]
+    with one_node.api("w") as w:
+        assert w.post("/api/management/restart", json={"id": iid}).status_code == 202
+        inst = _wait(w, iid, {"READY", "ERROR"})
+        assert inst["state"] == "READY", inst
+    pid, before = inst["pid"], len(_events(one_node, iid))
+    one_node.manage("shell", "-v", "0", "-c", (
+        "from hardware.models import Node; "
+        "Node.objects.filter(name='node1').update(agent_id='e' * 32, agent_pid=1, agent_host='elsewhere#00000000')"))
+    code = _exit_code(agent, timeout=30)
+    assert code == 1, f"the displaced agent went on (exit {code}):\n{agent.log[-3000:]}"
+    assert "was taken by another node agent (pid 1 on elsewhere" in agent.log, agent.log[-3000:]
+    del one_node.agents[NODE]
+    assert not pid_alive(pid) and backend_pids(MODEL, inst["port"]) == []
+    with one_node.api("w") as w:
+        after = w.get(f"/api/management/instances/{iid}").json()
+    assert (after["state"], after["pid"]) == ("READY", pid), after
+    assert len(_events(one_node, iid)) == before
