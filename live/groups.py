@@ -96,6 +96,7 @@ class GroupListener:
         self._looked_up = False
         self._receiver: Receiver | None = None
         self._joined_at = 0.0
+        self._failing = False  # warned once for the current run of failures
 
     async def receive(self, timeout: float) -> dict | None:
         """The next message sent to the group, or None after `timeout` seconds without one (also
@@ -117,15 +118,25 @@ class GroupListener:
                         self._receiver = Receiver(layer, await layer.new_channel())
                     await layer.group_add(self.group, self._receiver.channel)
                 self._joined_at = time.monotonic()
-            return await self._receiver.receive(timeout)
+            message = await self._receiver.receive(timeout)
         except asyncio.CancelledError:
             self.close()
             raise
-        except Exception:
-            log.debug("group %s unavailable; joining again later", self.group, exc_info=True)
+        except Exception as exc:
+            # A warning (once per run of failures, not every `timeout`): while it lasts, pushed
+            # changes (key revocations, routing) reach this process only by its polling.
+            if not self._failing:
+                log.warning("group %s: the channel layer failed (%s: %s); joining again every %.0f s",
+                            self.group, exc.__class__.__name__, exc, timeout)
+            log.debug("group %s unavailable", self.group, exc_info=True)
+            self._failing = True
             self.close()
             await asyncio.sleep(timeout)
             return None
+        if self._failing:
+            self._failing = False
+            log.info("group %s: listening again", self.group)
+        return message
 
     def close(self) -> None:
         receiver, self._receiver, self._joined_at = self._receiver, None, 0.0

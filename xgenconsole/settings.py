@@ -197,6 +197,7 @@ DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 REDIS_URL = env_secret("REDIS_URL")
 if REDIS_URL:
+    from channels_redis.core import RedisChannelLayer
     from redis.asyncio.retry import Retry
     from redis.backoff import ExponentialBackoff
 
@@ -205,7 +206,11 @@ if REDIS_URL:
             "BACKEND": "channels_redis.core.RedisChannelLayer",
             # redis-py's pooled connections retry nothing by default: after a Redis restart each
             # one failed its next command (a websocket handshake, a publish). Reconnect and retry.
-            "CONFIG": {"hosts": [{"address": REDIS_URL, "retry": Retry(ExponentialBackoff(cap=1.0, base=0.05), 3)}],
+            # A receive is a blocking pop of brpop_timeout (5 s) on the socket: redis-py's default
+            # socket timeout (also 5 s) cut it as "Timeout reading" every ~20 s (issue 35 #3).
+            "CONFIG": {"hosts": [{"address": REDIS_URL, "retry": Retry(ExponentialBackoff(cap=1.0, base=0.05), 3),
+                                  "socket_timeout": RedisChannelLayer.brpop_timeout + 10,
+                                  "socket_connect_timeout": 5}],
                        "capacity": 1000, "expiry": 30},
         }
     }

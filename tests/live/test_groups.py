@@ -121,3 +121,51 @@ async def test_a_receive_with_no_message_for_long_is_started_afresh(redis_layer,
     await redis_layer.send(receiver.channel, {"type": "after", "n": 1})
     assert (await receiver.receive(2))["n"] == 1  # the new receive gets what comes next
     receiver.close()
+
+
+async def test_a_listener_whose_layer_fails_warns_once_and_again_when_back(caplog):
+    """A web process's group listener that loses Redis says so at warning level (pushed key
+    revocations and routing changes reach the process only by polling meanwhile): once per run of
+    failures, not every retry, and once more when it listens again (issue 35 #3)."""
+    import logging
+
+    from tests.procs import free_port
+
+    redis_host, redis_port = REDIS_HOST.split(":")
+    port = free_port()  # nothing listens here until the relay below starts
+
+    async def relay(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection(redis_host, int(redis_port))
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            while data := await src.read(65536):
+                dst.write(data)
+                await dst.drain()
+            dst.close()
+
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer), return_exceptions=True)
+
+    config = {"default": {"BACKEND": "channels_redis.core.RedisChannelLayer",
+                          "CONFIG": {"hosts": [f"redis://127.0.0.1:{port}/13"], "prefix": f"t{uuid.uuid4().hex[:8]}"}}}
+    caplog.set_level(logging.INFO, logger="xgen.live.groups")
+    with override_settings(CHANNEL_LAYERS=config):
+        listener = GroupListener(f"g{uuid.uuid4().hex[:8]}")
+        for _ in range(3):
+            assert await listener.receive(0.05) is None
+        warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warnings) == 1 and "channel layer failed" in warnings[0].getMessage(), caplog.text
+        server = await asyncio.start_server(relay, "127.0.0.1", port)
+        try:
+            assert await listener.receive(0.3) is None  # joined: no message yet, no failure
+            assert await send(listener.group, {"type": "push", "n": 1})
+            message = None
+            for _ in range(20):
+                if (message := await listener.receive(0.1)) is not None:
+                    break
+            assert message is not None and message["n"] == 1
+            assert [r.getMessage() for r in caplog.records if r.levelno == logging.INFO] == [
+                f"group {listener.group}: listening again"]
+            assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 1
+        finally:
+            listener.close()
+            server.close()
