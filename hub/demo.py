@@ -69,8 +69,14 @@ def _vocab() -> tuple[list[str], list[float], list[int]]:
     return tokens, scores, [int(t) for t in types]
 
 
-def write_tiny_llama_gguf(path: Path | str, *, seed: int = 0, name: str = "xgen-tiny-llama") -> Path:
-    """Write the tiny model to `path` (atomically) and return it."""
+FIM_TOKENS = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")
+
+
+def write_tiny_llama_gguf(path: Path | str, *, seed: int = 0, name: str = "xgen-tiny-llama",
+                          fim: bool = False) -> Path:
+    """Write the tiny model to `path` (atomically) and return it; `fim` adds the fill-in-the-middle
+    tokens llama-server's /infill needs (the vocabulary, and so the weights, of the default model
+    stay as they are)."""
     import gguf
 
     path = Path(path)
@@ -78,6 +84,10 @@ def write_tiny_llama_gguf(path: Path | str, *, seed: int = 0, name: str = "xgen-
     tmp = path.with_name(path.name + ".part")
     rng = np.random.default_rng(seed)
     tokens, scores, types = _vocab()
+    if fim:
+        tokens += FIM_TOKENS
+        scores += [0.0] * len(FIM_TOKENS)
+        types += [int(gguf.TokenType.CONTROL)] * len(FIM_TOKENS)
     n_vocab = len(tokens)
 
     def w(*shape: int) -> np.ndarray:
@@ -105,6 +115,10 @@ def write_tiny_llama_gguf(path: Path | str, *, seed: int = 0, name: str = "xgen-
     writer.add_add_bos_token(True)
     writer.add_add_eos_token(False)
     writer.add_chat_template(CHATML_TEMPLATE)
+    if fim:
+        for key, token in zip((gguf.Keys.Tokenizer.FIM_PRE_ID, gguf.Keys.Tokenizer.FIM_SUF_ID,
+                               gguf.Keys.Tokenizer.FIM_MID_ID), FIM_TOKENS, strict=True):
+            writer.add_uint32(key, tokens.index(token))
 
     writer.add_tensor("token_embd.weight", w(n_vocab, N_EMBD))
     writer.add_tensor("output_norm.weight", np.ones(N_EMBD, dtype=np.float32))

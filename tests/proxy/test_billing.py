@@ -15,12 +15,14 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from hub.demo import write_tiny_llama_gguf
 from tests.conftest import ENGINES
 from tests.procs import free_port, stop_process
 from tests.proxy.conftest import BackendPool, ProxyConsole
 from tests.proxy.test_limits_and_usage import _console, _usage_of, _wait_usage, new_key
 
 MODELS = {"llama-server": "bill-ls", "llama-cpp-python": "bill-lcp"}
+FIM_MODEL = "bill-fim"  # llama-server on a tiny model with fill-in-the-middle tokens
 SURFACES = {  # what each engine serves (llama-cpp-python's /v1/messages is the console's translation)
     "llama-server": ("chat", "completions", "messages", "responses"),
     "llama-cpp-python": ("chat", "completions", "messages"),
@@ -37,12 +39,16 @@ def billing(tmp_path_factory, tiny_gguf) -> Iterator[ProxyConsole]:
         console.manage("createuser", "--username", "tess", "--role", "viewer", "--password", "tess-pass-123")
         pc = ProxyConsole(console=console, key=console.manage("createapikey", "--username", "admin").stdout.split()[-1])
         pc.servers = {engine: pool.start(MODELS[engine], engine=engine, n_ctx=2048) for engine in ENGINES}
+        # /infill needs the fill-in-the-middle tokens (llama-server answers 501 without them)
+        fim_gguf = write_tiny_llama_gguf(tmp_path_factory.mktemp("billing-fim") / "fim.gguf", fim=True)
+        pc.servers["fim"] = pool.start(FIM_MODEL, engine="llama-server", model=fim_gguf, n_ctx=2048)
         pc.set_instances([
-            *({"name": MODELS[e], "port": s.port, "backend": e} for e, s in pc.servers.items()),
+            *({"name": MODELS[e], "port": pc.servers[e].port, "backend": e} for e in ENGINES),
+            {"name": FIM_MODEL, "port": pc.servers["fim"].port, "backend": "llama-server"},
             {"name": "bill-gone", "port": free_port(), "backend": "llama-server"},  # nobody listens: 502
             {"name": "bill-loading", "port": free_port(), "backend": "llama-server", "state": "LOADING"},  # 503
         ])
-        pc.wait_models({*MODELS.values(), "bill-gone"})
+        pc.wait_models({*MODELS.values(), FIM_MODEL, "bill-gone"})
         yield pc
     finally:
         code = stop_process(console.proc, timeout=30)
@@ -205,6 +211,41 @@ def test_a_client_that_leaves_mid_stream_is_billed_the_prompt_and_what_was_strea
         assert row["usage_source"] == "console", row
     assert _wait_usage(billing, key_id, 1) == {"requests": 1, "errors": 0, "prompt_tokens": row["prompt_tokens"],
                                                "completion_tokens": row["completion_tokens"]}
+
+
+def test_infill_is_billed_what_the_engine_counted_streamed_or_not(billing):
+    """Issue 34 A.6: llama-server's native /infill answers `tokens_evaluated` / `tokens_predicted`
+    (no usage member): the request log and /api/usage hold those figures, streamed or not."""
+    key_id, key = new_key(billing)
+    path = "/api/inference/infill"
+    body = {"model": FIM_MODEL, "input_prefix": words(40), "input_suffix": "return value", "n_predict": 6,
+            "temperature": 0}
+    direct = httpx.post(billing.servers["fim"].base_url + "/infill", json={**body, "cache_prompt": False},
+                        timeout=60).json()
+    assert direct["tokens_evaluated"] > 40 and direct["tokens_predicted"] == 6, direct
+    r = httpx.post(billing.url + path, json=body, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+    assert r.status_code == 200, r.text
+    told_plain = (r.json()["tokens_evaluated"], r.json()["tokens_predicted"])
+    assert told_plain == (direct["tokens_evaluated"], 6)
+    row = row_of(billing, r.headers["x-request-id"])
+    assert (row["status"], row["prompt_tokens"], row["completion_tokens"]) == (200, *told_plain), row
+    assert row["usage_source"] == "engine", row
+
+    last: dict = {}
+    with httpx.stream("POST", billing.url + path, json={**body, "stream": True},
+                      headers={"Authorization": f"Bearer {key}"}, timeout=60) as s:
+        assert s.status_code == 200, s.read()
+        request_id = s.headers["x-request-id"]
+        for line in s.iter_lines():
+            if line.startswith("data: {"):
+                last = json.loads(line[6:])
+    told_streamed = (last["tokens_evaluated"], last["tokens_predicted"])  # the final event's figures
+    assert told_streamed == told_plain, last
+    row = row_of(billing, request_id)
+    assert (row["status"], row["prompt_tokens"], row["completion_tokens"]) == (200, *told_streamed), row
+    prompt, completion = told_plain[0] + told_streamed[0], told_plain[1] + told_streamed[1]
+    assert _wait_usage(billing, key_id, 2) == {"requests": 2, "errors": 0, "prompt_tokens": prompt,
+                                               "completion_tokens": completion}
 
 
 def _raw_stream_until_done(pc: ProxyConsole, key: str, body: dict) -> tuple[str, bytes]:
