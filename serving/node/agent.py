@@ -39,6 +39,9 @@ from serving.usage import RequestLogPruner
 log = logging.getLogger("xgen.agent")
 
 
+HEARTBEAT_RETRY_S = 1.0  # the next try after a heartbeat failed
+
+
 class AgentAlreadyRunning(RuntimeError):
     """Another agent holds this node's lock."""
 
@@ -190,17 +193,22 @@ class NodeAgent:
             self._wake.clear()
 
     async def _heartbeat_loop(self) -> None:
+        delay = settings.HEARTBEAT_INTERVAL_S
         while True:
-            await asyncio.sleep(settings.HEARTBEAT_INTERVAL_S)
+            await asyncio.sleep(delay)
+            # After a failed beat the next try comes within a second, not a whole interval: the
+            # first beat once the database is back ends the node's staleness at once (issue 35 #1).
+            delay = min(HEARTBEAT_RETRY_S, settings.HEARTBEAT_INTERVAL_S)
             try:
                 await run_db(self._heartbeat)
+                delay = settings.HEARTBEAT_INTERVAL_S
             except NodeTaken as exc:  # never fight the new holder: stop, leaving the node's rows to it
                 log.error("%s", exc)
                 self.displaced = exc
                 self._lost.set()
                 return
             except DatabaseUnavailable as exc:  # a restart: no traceback every second
-                log.warning("heartbeat failed, the database is unavailable (%s); retrying", exc)
+                log.warning("heartbeat failed, the database is unavailable (%s); retrying in %.0f s", exc, delay)
             except Exception:
                 log.exception("heartbeat failed; retrying")
 

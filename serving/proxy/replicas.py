@@ -7,7 +7,11 @@ safety net (a lost message, a node whose heartbeat went stale, rows written by h
 always read the current snapshot. `invalidate()` makes the next request wait for a fresh read
 (for code that has just changed the rows itself and must see them).
 While the database is down the previous table keeps serving; a process that has none yet
-raises DatabaseUnavailable (the proxy answers 503) until the database is back.
+raises DatabaseUnavailable (the proxy answers 503) until the database is back. Nor does the
+outage count against the nodes' heartbeats once it is over: no agent could write one, so for
+NODE_STALE_AFTER_S after the database returns the staleness clock leaves out the time it was
+away (a READY backend stays routed until its agent beats again; an agent that died is dropped
+within NODE_STALE_AFTER_S of the database's return, as it would be without the outage).
 Replicas keep their in-flight counters across refreshes; the least busy one is chosen.
 """
 from __future__ import annotations
@@ -99,15 +103,20 @@ class RoutingSnapshot:
         return [b for group in self.by_name.values() for b in group]
 
 
-def _read_rows() -> tuple[list[dict], set[str], list[dict]]:
+def _read_rows(paused_s: float = 0.0) -> tuple[list[dict], set[str], list[dict]]:
     """The READY instances on fresh nodes, the names of all instances active, IDLE or meant to run,
-    and the on_demand instances that are not READY."""
+    and the on_demand instances that are not READY. `paused_s`: seconds of a database outage just
+    over, not counted in a heartbeat's age (none could be written then)."""
+    from datetime import timedelta
+
     from django.db.models import Q
+    from django.utils import timezone
 
     from hardware.models import Node
     from serving.models import ACTIVE_STATES, DesiredState, InstanceState, ModelInstance
 
-    fresh = Node.fresh()
+    fresh = Node.fresh() if paused_s <= 0 else Node.objects.filter(
+        last_heartbeat__gte=timezone.now() - timedelta(seconds=settings.NODE_STALE_AFTER_S + paused_s))
     rows = list(
         ModelInstance.objects.filter(state=InstanceState.READY, node__in=fresh, port__isnull=False)
         .order_by("pk")
@@ -143,6 +152,11 @@ class RoutingTable:
         self._turn = itertools.count()
         self._listen = listen
         self._listener: asyncio.Task | None = None
+        # The staleness clock stops while the database is away (see the module's docstring).
+        self._read_ok_at = 0.0  # monotonic: the start of the last read that succeeded
+        self._outage_from: float | None = None  # monotonic: since when reads fail (None: they do not)
+        self._paused_s = 0.0  # how long the last outage lasted
+        self._back_at = 0.0  # monotonic: when the database answered again
 
     def invalidate(self) -> None:
         """Make the next request wait for a fresh read of the database."""
@@ -215,8 +229,27 @@ class RoutingTable:
         task, self._listener = self._listener, None
         await cancel_and_wait(task)
 
+    def _heartbeat_pause(self, now: float) -> float:
+        """Seconds of database outage that do not count against a heartbeat's age now."""
+        if self._outage_from is not None:  # this read may end the outage: all of it so far
+            return now - self._outage_from
+        if now - self._back_at < settings.NODE_STALE_AFTER_S:
+            return self._paused_s
+        return 0.0  # every heartbeat older than the outage has aged out by now even without it
+
     async def _load(self) -> RoutingSnapshot:
-        rows, names, standby = await run_db(_read_rows)
+        started = time.monotonic()
+        try:
+            rows, names, standby = await run_db(_read_rows, self._heartbeat_pause(started))
+        except DatabaseUnavailable:
+            if self._outage_from is None:
+                # From the last good read, or a refresh before this one (a process that read nothing
+                # for long must not forgive heartbeats that went stale before the outage).
+                self._outage_from = max(self._read_ok_at, started - REFRESH_S)
+            raise
+        if self._outage_from is not None:
+            self._paused_s, self._back_at, self._outage_from = started - self._outage_from, started, None
+        self._read_ok_at = started
         snap = RoutingSnapshot(known_names=frozenset(names))
         for row in standby:
             stamp = row["created_at"]
