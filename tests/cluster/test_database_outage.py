@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
 import threading
 import time
@@ -198,7 +199,7 @@ def _next_heartbeat(cluster: Cluster, node: str, after: object = None, timeout: 
         return now
 
 
-def _wait_ready(client: httpx.Client, iid: int, timeout: float = 120) -> None:
+def _wait_ready(client: httpx.Client, iid: int, timeout: float = 120) -> dict:
     deadline = time.monotonic() + timeout
     inst: dict = {}
     while time.monotonic() < deadline:
@@ -206,7 +207,7 @@ def _wait_ready(client: httpx.Client, iid: int, timeout: float = 120) -> None:
         if r.status_code == 200:
             inst = r.json()
             if inst["state"] == "READY":
-                return
+                return inst
             assert inst["state"] != "ERROR", inst
         time.sleep(0.3)
     raise AssertionError(f"instance {iid} is not READY: {inst}")
@@ -219,7 +220,7 @@ def test_database_outage_keeps_ready_backends_routed(outage_cluster, tiny_gguf):
         r = client.post("/api/management/load", json={"model_path": "gguf/tiny-outage", "model_name": "tiny-outage",
                                                       "node": "node-1"})
         assert r.status_code == 202, r.text
-        _wait_ready(client, r.json()["id"])
+        backend_pid = _wait_ready(client, r.json()["id"])["pid"]
     web = cluster.webs["w"]
     chats = Chats(web.url, cluster.admin_key, "tiny-outage").start()
     try:
@@ -273,11 +274,18 @@ def test_database_outage_keeps_ready_backends_routed(outage_cluster, tiny_gguf):
         dropped = [t - back_at for t, _, c in chats.answers if t > back_at and c == "no_backend"]
         print(f"the killed agent's node left routing {dropped[0] if dropped else None} s after the database returned")
         assert dropped, f"the dead agent's backend was still routed {STALE_AFTER_S + 15} s after the return"
+        # A new agent adopts the orphaned backend (and stops it with the cluster).
+        agent = cluster.start_agent("node-1")
+        deadline = time.monotonic() + 60
+        while f"adopted backend pid {backend_pid}" not in agent.log:
+            assert time.monotonic() < deadline, "the restarted agent did not adopt the backend"
+            assert agent.proc.poll() is None, f"the restarted agent exited: {agent.log[-2000:]}"
+            time.sleep(0.3)
     finally:
         chats.stop()
-    # A new agent adopts the orphaned backend (and stops it with the cluster).
-    cluster.start_agent("node-1")
-    deadline = time.monotonic() + 60
+        if "node-1" not in cluster.agents or f"adopted backend pid {backend_pid}" not in cluster.agents["node-1"].log:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(backend_pid, signal.SIGKILL)  # no agent of its own: leave no orphan
     while httpx.post(web.url + "/v1/chat/completions", json={"model": "tiny-outage", **CHAT}, timeout=30,
                      headers={"Authorization": f"Bearer {cluster.admin_key}"}).status_code != 200:
         assert time.monotonic() < deadline, "the restarted agent did not take the backend back"
