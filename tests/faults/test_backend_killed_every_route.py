@@ -150,10 +150,16 @@ def test_a_backend_killed_during_embeddings_is_a_502_once_counted(faults_console
 
 
 def test_no_prompt_reaches_a_log(faults_console, llm):
-    """The prompts sent above are nowhere in the console's log or the backends' logs and log tails."""
+    """The prompts sent above are nowhere in the console's log or the backends' logs and log tails,
+    nor in the audit log, the request log, or any file under the console's data dir (its database
+    included: issue 23 #3, prompts in audit rows)."""
     c = faults_console
     assert MARKER not in c.console.log
-    for path in (c.console.data_dir / "logs").rglob("*"):
+    for path in c.console.data_dir.rglob("*"):
         if path.is_file():
-            assert MARKER not in path.read_text(errors="replace"), path
+            assert MARKER.encode() not in path.read_bytes(), path
     assert MARKER not in json.dumps(c.instance(llm["id"]))
+    for listing in ("/api/audit", "/api/requests"):
+        r = httpx.get(f"{c.url}{listing}", params={"limit": 1000}, headers=c.auth, timeout=30)
+        assert r.status_code == 200 and r.json()["items"], (listing, r.text[:300])
+        assert MARKER not in r.text, listing
