@@ -46,6 +46,7 @@ def idle_cluster(tmp_path_factory, s3_server) -> Iterator[Cluster]:
         destroy_cluster(c)
 
 
+@pytest.mark.timeout(LISTEN_S + 240)  # the suite's 300 s would cut a 5-minute run
 def test_listeners_hold_and_a_nudge_arrives(idle_cluster, tiny_gguf):
     cluster = idle_cluster
     cluster.manage("hub_upload", str(tiny_gguf), "--format", "gguf", "--name", "tiny-nudge")
