@@ -8,9 +8,11 @@ CacheJob row that the node's HubWorker claims (`claim_next_cache_job`, a conditi
 """
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import shutil
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -28,6 +30,10 @@ from hub.paths import FORMAT_ROOTS, safe_join, validate_prefix
 from hub.store import ModelStore, StoreError, get_store
 
 log = logging.getLogger("xgen.hub.node_cache")
+
+# Under MODELS_DIR, beside the format folders: no prefix can name it (validate_prefix wants gguf/ or
+# huggingface/), and a rename into it stays on the cache's own disk.
+EVICTING_DIR = ".xgen-evicting"
 
 
 @dataclass
@@ -79,7 +85,7 @@ def local_models() -> dict[str, int]:
         if not base.is_dir():
             continue
         for entry in sorted(base.iterdir()):
-            if entry.is_dir() and not entry.is_symlink():
+            if entry.is_dir() and not entry.is_symlink() and not entry.name.startswith(EVICTING_DIR):
                 out[f"{fmt}/{entry.name}"] = _tree_bytes(entry)
     return out
 
@@ -120,18 +126,63 @@ def report_disk(*, node_name: str) -> CacheDisk | None:
 
 def evict(prefix: str, *, node_name: str) -> int:
     """Remove a cached model from this node's disk and its row; returns the bytes freed.
-    CacheInUse while an instance of this node uses it."""
+    CacheInUse while an instance of this node uses it.
+
+    The folder is renamed out of MODELS_DIR/<prefix> into EVICTING_DIR first, then the row goes,
+    then the files: a process killed at any point leaves the model whole or absent, never half
+    a folder that a READY row still vouches for (the agent's start removes the rest)."""
     prefix = validate_prefix(prefix)
     users = users_of(node_name).get(prefix)
     if users:
         raise CacheInUse(f"{prefix} is used by {', '.join(f'#{u.id} {u.model_name}' for u in users)}: unload it first")
     local_dir = cache_dir_for(prefix)
+    trash: Path | None = None
     with model_lock(prefix):  # never under a sync of the same model
         freed = _tree_bytes(local_dir) if local_dir.is_dir() else 0
-        shutil.rmtree(local_dir, ignore_errors=True)
-    CacheEntry.objects.filter(node__name=node_name, prefix=prefix).delete()
+        if local_dir.is_dir():
+            trash = _move_to_trash(local_dir)
+        CacheEntry.objects.filter(node__name=node_name, prefix=prefix).delete()
+    if trash is not None:  # outside the lock: nothing else knows this name, a sync may start meanwhile
+        shutil.rmtree(trash, ignore_errors=True)
     log.info("evicted %s from the cache of %s (%d bytes)", prefix, node_name, freed)
     return freed
+
+
+def _move_to_trash(local_dir: Path) -> Path | None:
+    """Rename a model folder into EVICTING_DIR (one atomic step); returns where it went. A model
+    folder on another disk than MODELS_DIR is removed in place instead, its cache manifest first,
+    so that a leftover of a killed removal is never taken for a verified copy (returns None)."""
+    root = Path(settings.MODELS_DIR) / EVICTING_DIR
+    root.mkdir(parents=True, exist_ok=True)
+    trash = root / uuid.uuid4().hex
+    try:
+        os.rename(local_dir, trash)
+    except OSError as exc:
+        if exc.errno != errno.EXDEV:
+            raise
+        (local_dir / CACHE_MANIFEST_NAME).unlink(missing_ok=True)
+        shutil.rmtree(local_dir, ignore_errors=True)
+        return None
+    return trash
+
+
+def sweep_evictions(*, node_name: str) -> int:
+    """At the agent's start: remove what evictions cut short by a kill left in EVICTING_DIR, and
+    end the cache jobs that were running then (no evict or verify runs before the agent does).
+    Returns how many leftovers went."""
+    root = Path(settings.MODELS_DIR) / EVICTING_DIR
+    left = sorted(root.iterdir()) if root.is_dir() else []
+    for path in left:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    if left:
+        log.warning("removed %d folder(s) of evictions cut short on %s", len(left), node_name)
+    CacheJob.objects.filter(node=node_name, status=CacheJobStatus.RUNNING).update(
+        status=CacheJobStatus.FAILED, finished_at=timezone.now(),
+        error="the node's agent stopped during it (the cached copy is whole or gone, never half): run it again if needed")
+    return len(left)
 
 
 def verify(prefix: str, *, node_name: str, store: ModelStore | None = None) -> list[str]:
@@ -302,5 +353,5 @@ cache.set_room_keeper(make_room)  # sync_to_cache asks before it fetches (hub.ap
 __all__ = [
     "CacheInUse", "CacheUser", "claim_next_cache_job", "disk_figures", "evict", "evict_everywhere",
     "local_models", "make_room", "overview", "report_disk", "request_cache_job", "run_cache_job",
-    "set_users_source", "users_of", "verify",
+    "set_users_source", "sweep_evictions", "users_of", "verify",
 ]

@@ -45,6 +45,10 @@ class HubWorker:
         except Exception:
             log.exception("could not end the uploads cut short by the last stop")
         try:
+            await run_db(node_cache.sweep_evictions, node_name=agent.name)
+        except Exception:
+            log.warning("could not remove what evictions cut short left", exc_info=True)
+        try:
             await run_db(services.sweep_store)
         except Exception:
             log.warning("could not sweep the store of what interrupted writes left", exc_info=True)
