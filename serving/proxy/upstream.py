@@ -335,8 +335,11 @@ class UpstreamReply:
 
     async def _count_then_record(self, status: int, error: str | None, completion: int, busy: float,
                                  ended: float, first: float) -> None:
-        prompt = await count_prompt_tokens(self.backend, self.upstream_path, self.body)
-        self._record(status, error, prompt or 0, completion, "console", busy, ended, first)
+        prompt = None
+        try:
+            prompt = await count_prompt_tokens(self.backend, self.upstream_path, self.body)
+        finally:  # cancelled too (a shutdown that could wait no longer): the request is logged all the same
+            self._record(status, error, prompt or 0, completion, "console", busy, ended, first)
 
     def _record(self, status: int, error: str | None, prompt: int, completion: int, source: str, busy: float,
                 ended: float, first: float) -> None:
@@ -378,9 +381,17 @@ def _counted(task: asyncio.Task) -> None:
 
 
 async def drain_counts(timeout_s: float = 10.0) -> None:
-    """Wait for the prompt counts still running, so the requests they belong to are recorded."""
-    if _counting:
-        await asyncio.wait(set(_counting), timeout=timeout_s)
+    """Wait for the prompt counts still running, so the requests they belong to are recorded;
+    those the engine has not answered by `timeout_s` are recorded without its count."""
+    if not _counting:
+        return
+    _, late = await asyncio.wait(set(_counting), timeout=timeout_s)
+    if late:
+        log.warning("%d prompt count(s) unanswered after %g s at shutdown: their requests are logged with "
+                    "prompt 0", len(late), timeout_s)
+        for task in late:
+            task.cancel()
+        await asyncio.wait(late)
 
 
 async def count_prompt_tokens(backend: Backend, upstream_path: str, body: bytes) -> int | None:
@@ -434,7 +445,11 @@ def record_abandoned(ctx: RequestContext, candidates: list[Backend], upstream_pa
         return
 
     async def count_then_record() -> None:
-        record(await count_prompt_tokens(backend, upstream_path, body) or 0)
+        prompt = None
+        try:
+            prompt = await count_prompt_tokens(backend, upstream_path, body)
+        finally:  # cancelled too (a shutdown that could wait no longer): the request is logged all the same
+            record(prompt or 0)
 
     _later(count_then_record())
 

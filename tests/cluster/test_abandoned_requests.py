@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -19,6 +20,8 @@ import httpx
 import pytest
 
 from tests.cluster.harness import Cluster, backend_secret, create_cluster, destroy_cluster, services_available
+from tests.procs import stop_process
+from tests.proxy.conftest import AiohttpBackend
 
 pytestmark = pytest.mark.cluster
 MODEL = "tiny-ab"
@@ -302,3 +305,89 @@ ModelInstance.objects.create(model_name={ghost!r}, model_path="/m", backend="lla
                                                     "completion_tokens": 0}
     assert sorted(r["status"] for r in rows_of_key(c, limited_id)) == [200, 200, 429, 429]
     assert sorted(r["status"] for r in rows_of_key(c, unserved_id)) == [503, 503]
+
+
+class BusyEngine(AiohttpBackend):
+    """An engine that streams a token every 0.1 s without end and answers nothing else for a
+    minute (busy): the console's request for its count of a prompt waits."""
+
+    def add_routes(self, app) -> None:
+        import asyncio
+
+        from aiohttp import web
+
+        async def busy(request: web.Request) -> web.StreamResponse:
+            body = await request.json()
+            if not body.get("stream"):
+                await asyncio.sleep(60)
+                return web.json_response({"error": {"message": "late"}}, status=500)
+            response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+            await response.prepare(request)
+            chunk = {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": "x"}}]}
+            try:
+                while True:
+                    await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+                    await asyncio.sleep(0.1)
+            except ConnectionResetError:  # the console closed the stream: its client left
+                return response
+
+        app.router.add_post("/{tail:.*}", busy)
+
+
+def test_a_web_process_stopped_while_it_counts_left_requests_prompts_still_logs_them(ab_cluster):
+    """A request left before the first byte or mid-stream waits for the engine to count its
+    prompt; a web process stopped meanwhile (SIGTERM: a restart, a rolling update) gave up after
+    10 s and the requests had no row and no usage."""
+    import psycopg
+
+    c, _ = ab_cluster
+    engine, node, model = BusyEngine(), f"busy-{uuid.uuid4().hex[:6]}", f"busy-{uuid.uuid4().hex[:6]}"
+    c.manage("shell", "-v", "0", "-c", f"""
+from django.utils import timezone
+from hardware.models import Node
+from serving.models import ModelInstance
+node = Node.objects.create(name={node!r}, address="127.0.0.1", last_heartbeat=timezone.now())
+ModelInstance.objects.create(model_name={model!r}, model_path="/m", backend="llama-cpp-python", node=node,
+                             port={engine.port}, state="READY", ready_at=timezone.now())
+""")
+    stop = threading.Event()
+
+    def beat() -> None:  # no agent serves the node: the test keeps its heartbeat fresh
+        with psycopg.connect(c.env["DATABASE_URL"], autocommit=True) as conn:
+            while not stop.wait(0.5):
+                conn.execute("UPDATE hardware_node SET last_heartbeat = now() WHERE name = %s", (node,))
+
+    beater = threading.Thread(target=beat, daemon=True)
+    beater.start()
+    try:
+        web = c.start_web("c")
+        deadline = time.monotonic() + 20
+        while model not in {m["id"] for m in httpx.get(f"{web.url}/v1/models", timeout=10, headers={
+                "Authorization": f"Bearer {c.admin_key}"}).json()["data"]}:
+            assert time.monotonic() < deadline, "web c never routed the busy engine's model"
+            time.sleep(0.2)
+        key_id, key = new_key(c)
+        before, during = str(uuid.uuid4()), str(uuid.uuid4())
+        s_before = raw_post(c, "c", key, {**chat_body(words(20), 50), "model": model}, before)
+        s_during = raw_post(c, "c", key, {**chat_body(words(20), 50, stream=True), "model": model}, during)
+        read_until(s_during, lambda d: d.count(b"data: {") >= 3)
+        time.sleep(0.5)
+        s_before.close()  # before the engine's first byte
+        s_during.close()  # mid-stream, 3 or more tokens in
+        time.sleep(1)  # the console saw both clients leave and asks the engine for its counts
+        began = time.monotonic()
+        assert stop_process(web.proc, timeout=60) == 0, web.log[-3000:]
+        print(f"\nweb c stopped in {time.monotonic() - began:.1f} s")
+        c.webs.pop("c")
+        rows = {rid: rows_by_id(c, rid, timeout=10) for rid in (before, during)}
+        assert [(r["status"], r["prompt_tokens"], r["completion_tokens"]) for r in rows[before]] == [(499, 0, 0)], rows
+        assert [(r["status"], r["prompt_tokens"]) for r in rows[during]] == [(499, 0)], rows
+        streamed = rows[during][0]["completion_tokens"]
+        assert streamed >= 3, rows
+        assert usage_of(c, key_id, requests=2, timeout=10) == {"requests": 2, "errors": 0, "prompt_tokens": 0,
+                                                               "completion_tokens": streamed}
+        assert "2 prompt count(s) unanswered after 10 s" in web.log and "Traceback" not in web.log, web.log[-3000:]
+    finally:
+        stop.set()
+        beater.join(5)
+        engine.stop()
