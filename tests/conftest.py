@@ -102,16 +102,19 @@ def llama_server_binary() -> str:
 
 
 def engine_command(engine: str, *, model: Path, port: int, alias: str, embedding: bool = False,
-                   n_ctx: int = 512, rerank: bool = False) -> tuple[list[str], str]:
+                   n_ctx: int = 512, rerank: bool = False, context_shift: bool = False) -> tuple[list[str], str]:
     """argv that starts `engine` by hand on `model`, and the path that answers 200 once it is up
-    (`rerank`: llama-server only, on a reranker GGUF)."""
+    (`rerank`, `context_shift`: llama-server only; `rerank` on a reranker GGUF; `context_shift`
+    lets one answer run past the context, which llama-server caps at the model's 2,048)."""
     if engine == "llama-server":
         cmd = [llama_server_binary(), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
                "--alias", alias, "--ctx-size", str(n_ctx), "--parallel", "1"]
+        if context_shift:
+            cmd.append("--context-shift")
         if rerank:
             return cmd + ["--reranking"], "/health"
         return cmd + (["--embeddings", "--pooling", "mean"] if embedding else []), "/health"
-    assert not rerank, "llama-cpp-python's server has no rerank route"
+    assert not rerank and not context_shift, "llama-cpp-python's server has no rerank route, no context shift"
     cmd = [PYTHON, "-m", "llama_cpp.server", "--model", str(model), "--host", "127.0.0.1",
            "--port", str(port), "--model_alias", alias, "--n_ctx", str(n_ctx), "--verbose", "false"]
     return cmd + (["--embedding", "true"] if embedding else []), "/v1/models"

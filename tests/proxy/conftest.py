@@ -111,10 +111,10 @@ class BackendPool:
 
     def start(self, alias: str, *, embedding: bool = False, model: Path | None = None,
               port: int | None = None, n_ctx: int = 512, engine: str = "llama-cpp-python",
-              rerank: bool = False) -> LlamaServer:
+              rerank: bool = False, context_shift: bool = False) -> LlamaServer:
         port = port or free_port()
         cmd, health = engine_command(engine, model=model or self.tiny_gguf, port=port, alias=alias,
-                                     embedding=embedding, n_ctx=n_ctx, rerank=rerank)
+                                     embedding=embedding, n_ctx=n_ctx, rerank=rerank, context_shift=context_shift)
         with open(self.log_dir / f"llama-{port}.log", "ab") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         server = LlamaServer(proc=proc, port=port, alias=alias, engine=engine)
