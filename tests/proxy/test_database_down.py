@@ -56,7 +56,7 @@ async def test_a_key_lookup_while_the_database_is_down_is_503_then_works(monkeyp
 
     monkeypatch.setattr(auth, "alookup_key", db_async(lookup))
     monkeypatch.setattr(app, "routing_table", routing_table.RoutingTable())
-    monkeypatch.setattr(routing_table, "_read_rows", lambda: ([], set(), []))
+    monkeypatch.setattr(routing_table, "_read_rows", lambda paused_s=0.0: ([], set(), []))
     key = [(b"authorization", b"Bearer xg-not-cached-" + b"1" * 20)]
     _assert_unavailable(*await _get("/v1/models", key))
     status, _, body = await _get("/v1/models", key)  # the database is back: no restart needed
@@ -79,7 +79,7 @@ async def test_no_routing_table_yet_while_the_database_is_down_is_503_not_an_emp
     key = [(b"authorization", b"Bearer xg-some-key")]
     _assert_unavailable(*await _get("/v1/models", key))
     _assert_unavailable(*await _get("/v1/models", key))  # within REFRESH_S: no second query, same answer
-    monkeypatch.setattr(routing_table, "_read_rows", lambda: ([], {"m"}, []))
+    monkeypatch.setattr(routing_table, "_read_rows", lambda paused_s=0.0: ([], {"m"}, []))
     table.invalidate()
     assert (await _get("/v1/models", key))[0] == 200
     # With a table, a database that goes down again keeps the table serving.
