@@ -26,7 +26,7 @@ class TcpForwarder:
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listener.bind(("127.0.0.1", self.port))
-        listener.listen(64)
+        listener.listen(128)
         self.port = listener.getsockname()[1]
         self._listener = listener
         threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
@@ -45,6 +45,11 @@ class TcpForwarder:
 
     stop = down
 
+    @property
+    def listening(self) -> bool:
+        """Whether it relays (up) or refuses (down)."""
+        return self._listener is not None
+
     @staticmethod
     def _close(sock: socket.socket) -> None:
         with contextlib.suppress(OSError):
@@ -57,9 +62,6 @@ class TcpForwarder:
                 client, _ = listener.accept()
             except OSError:  # closed by down()
                 return
-            if self._listener is not listener:
-                self._close(client)
-                return
             try:
                 server = socket.create_connection(self.target, timeout=5)
                 server.settimeout(None)
@@ -67,6 +69,10 @@ class TcpForwarder:
                 self._close(client)
                 continue
             with self._lock:
+                if self._listener is not listener:  # taken down meanwhile
+                    self._close(client)
+                    self._close(server)
+                    return
                 self._open.update((client, server))
                 self.accepted += 1
             for src, dst in ((client, server), (server, client)):

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -25,6 +24,7 @@ import httpx
 import pytest
 
 from tests.cluster.harness import PG_ADMIN_DSN, Cluster, create_cluster, destroy_cluster, services_available
+from tests.cluster.tcp_forwarder import TcpForwarder
 
 pytestmark = pytest.mark.cluster
 
@@ -33,76 +33,6 @@ AFTER_S = 15.0  # traffic after the return: three heartbeat intervals
 HEARTBEAT_S = 5
 STALE_AFTER_S = 20
 CHAT = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
-
-
-class Forwarder:
-    """Relays loopback connections to the real server; `cut()` closes every relayed connection
-    and refuses new ones (nothing listens) until `restore()`, on the same port."""
-
-    def __init__(self, host: str, port: int) -> None:
-        self.target = (host, port)
-        self.port = 0
-        self._listener: socket.socket | None = None
-        self._open: set[socket.socket] = set()
-        self._lock = threading.Lock()
-
-    def restore(self) -> None:
-        listener = socket.socket()
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind(("127.0.0.1", self.port))
-        listener.listen(128)
-        self.port = listener.getsockname()[1]
-        self._listener = listener
-        threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
-
-    def cut(self) -> None:
-        listener, self._listener = self._listener, None
-        if listener is not None:
-            with contextlib.suppress(OSError):
-                listener.shutdown(socket.SHUT_RDWR)
-            listener.close()
-        with self._lock:
-            sockets, self._open = list(self._open), set()
-        for sock in sockets:
-            self._close(sock)
-
-    @staticmethod
-    def _close(sock: socket.socket) -> None:
-        with contextlib.suppress(OSError):
-            sock.shutdown(socket.SHUT_RDWR)
-        sock.close()
-
-    def _accept(self, listener: socket.socket) -> None:
-        while True:
-            try:
-                client, _ = listener.accept()
-            except OSError:  # closed by cut()
-                return
-            try:
-                server = socket.create_connection(self.target, timeout=5)
-                server.settimeout(None)
-            except OSError:
-                self._close(client)
-                continue
-            with self._lock:
-                if self._listener is not listener:  # cut meanwhile
-                    self._close(client)
-                    self._close(server)
-                    return
-                self._open.update((client, server))
-            for src, dst in ((client, server), (server, client)):
-                threading.Thread(target=self._pipe, args=(src, dst), daemon=True).start()
-
-    def _pipe(self, src: socket.socket, dst: socket.socket) -> None:
-        try:
-            while data := src.recv(65536):
-                dst.sendall(data)
-        except OSError:
-            pass
-        for sock in (src, dst):
-            with self._lock:
-                self._open.discard(sock)
-            self._close(sock)
 
 
 @dataclass
@@ -151,15 +81,15 @@ class Chats:
 
 
 @pytest.fixture(scope="module")
-def outage_cluster(tmp_path_factory, s3_server) -> Iterator[tuple[Cluster, Forwarder]]:
+def outage_cluster(tmp_path_factory, s3_server) -> Iterator[tuple[Cluster, TcpForwarder]]:
     missing = services_available()
     if missing:
         pytest.fail(f"cluster tests need PostgreSQL and Redis on loopback (.ci/run starts them): {missing}")
     from urllib.parse import urlsplit
 
     admin = urlsplit(PG_ADMIN_DSN)
-    forwarder = Forwarder(admin.hostname or "127.0.0.1", admin.port or 5432)
-    forwarder.restore()
+    forwarder = TcpForwarder(admin.hostname or "127.0.0.1", admin.port or 5432)
+    forwarder.up()
     s3_server.reset()
     c = create_cluster(tmp_path_factory.mktemp("db-outage"), s3_endpoint=s3_server.endpoint,
                        s3_access=s3_server.access_key, s3_secret=s3_server.secret_key,
@@ -176,10 +106,10 @@ def outage_cluster(tmp_path_factory, s3_server) -> Iterator[tuple[Cluster, Forwa
         c.wait_nodes_online({"node-1"}, web="w")
         yield c, forwarder
     finally:
-        if forwarder._listener is None:  # a failed test left the database away
-            forwarder.restore()
+        if not forwarder.listening:  # a failed test left the database away
+            forwarder.up()
         destroy_cluster(c)
-        forwarder.cut()
+        forwarder.down()
 
 
 def _next_heartbeat(cluster: Cluster, node: str, after: object = None, timeout: float = 3 * HEARTBEAT_S) -> object:
@@ -235,9 +165,9 @@ def test_database_outage_keeps_ready_backends_routed(outage_cluster, tiny_gguf):
         last_beat = _next_heartbeat(cluster, "node-1")
         time.sleep((0.5 - OUTAGE_S) % HEARTBEAT_S)
         down_at = time.monotonic()
-        forwarder.cut()
+        forwarder.down()
         time.sleep(OUTAGE_S)
-        forwarder.restore()
+        forwarder.up()
         back_at = time.monotonic()
         # The agent tries again within a second of a failed beat, not a whole interval later (the
         # phase above puts its next regular beat 4.5 s after the return).
@@ -260,11 +190,11 @@ def test_database_outage_keeps_ready_backends_routed(outage_cluster, tiny_gguf):
 
         # 2. The guard: an agent that died during an outage leaves routing within the stale window
         # of the database's return (its backend still answers, so only the heartbeat can tell).
-        forwarder.cut()
+        forwarder.down()
         time.sleep(2)
         cluster.kill_agent("node-1")
         time.sleep(3)
-        forwarder.restore()
+        forwarder.up()
         back_at = time.monotonic()
         deadline = back_at + STALE_AFTER_S + 15
         while time.monotonic() < deadline:
