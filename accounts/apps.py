@@ -11,6 +11,17 @@ class AccountsConfig(AppConfig):
         signals.connect()
         signin.connect()
 
+        from django.conf import settings
+        from django.core.exceptions import ImproperlyConfigured
+
+        from accounts.sso import MappingError, parse_group_roles, parse_group_teams
+
+        try:  # a wrong mapping stops the start, not the first sign-in
+            parse_group_roles(settings.SSO_GROUP_ROLES)
+            parse_group_teams(settings.SSO_GROUP_TEAMS)
+        except MappingError as exc:
+            raise ImproperlyConfigured(str(exc)) from None
+
         from django.contrib.auth.signals import user_logged_out
         from django.db.models.signals import post_save
 

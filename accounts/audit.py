@@ -12,8 +12,10 @@ log = logging.getLogger("xgen.audit")
 
 # The actions the console records (api.md); others may be added, never renamed.
 ACTIONS = (
-    "login", "login_failed", "login_locked", "logout", "load", "unload", "restart", "start", "model_delete", "download", "upload",
+    "login", "login_failed", "login_locked", "logout", "load", "unload", "restart", "start", "scale", "autoscale", "autoscale_settings", "relocate", "rollout", "model_delete", "download", "upload",
     "key_create", "key_change", "key_revoke", "user_create", "user_change", "password_change",
+    "sso_sync", "sso_groups_missing", "sso_deprovision",
+    "team_create", "team_change", "team_delete", "team_member_add", "team_member_remove", "team_sync",
 )
 
 

@@ -1,14 +1,19 @@
 """Authentication for pages (session), the API (bearer key or session) and role checks."""
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from django.contrib.auth.middleware import LoginRequiredMiddleware
 from django.core.exceptions import PermissionDenied
-from django.http import HttpRequest
+from django.http import HttpRequest, HttpResponse
 from ninja.security import HttpBearer, SessionAuth
 
 from accounts.credentials import lookup_key, scope_refused
 from accounts.errors import ApiError
 from accounts.models import User
+
+View = Callable[..., HttpResponse]
 
 # Paths with their own auth (bearer key or session, answered as JSON), not login redirects.
 API_PREFIXES = ("/api/", "/v1/", "/metrics")
@@ -113,18 +118,18 @@ def require_role(request: HttpRequest, role: str) -> User:
     return user
 
 
-def role_required(role: str):
+def role_required(role: str) -> Callable[[View], View]:
     """Page decorator: the signed-in user needs `role` or above, else 403."""
 
-    def decorator(view):
-        def wrapped(request: HttpRequest, *args, **kwargs):
+    def decorator(view: View) -> View:
+        def wrapped(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
             if not request.user.has_role(role):
                 raise PermissionDenied(f"This page needs the {role} role.")
             return view(request, *args, **kwargs)
 
         wrapped.__name__ = view.__name__
         wrapped.__doc__ = view.__doc__
-        wrapped.required_role = role  # read by the auth matrix test
+        wrapped.__dict__["required_role"] = role  # read by the auth matrix test
         return wrapped
 
     return decorator

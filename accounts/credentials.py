@@ -30,7 +30,7 @@ from django.conf import settings
 from django.contrib.auth.signals import user_logged_out
 
 from accounts.errors import ErrorAnswer
-from accounts.models import KEY_SCOPES, ROLE_RANK, ApiKey, Role, hash_key
+from accounts.models import KEY_SCOPES, ROLE_RANK, ApiKey, Role, Team, hash_key
 from accounts.origins import origin_allowed
 from live.db import db_async, run_db
 from live.groups import GroupListener, send, send_sync
@@ -69,6 +69,18 @@ class Principal:
     monthly_tokens: int | None = None
     priority: int = 0
     scopes: frozenset[str] = frozenset(KEY_SCOPES)  # a session may do all its role allows
+    # The key's team, as a principal of its own whose limits count every key of the team together
+    # (serving.proxy.limits keeps its state under key_id = -team id); None: no team.
+    team: Principal | None = None
+    # A team's GPU-seconds budget per UTC month (serving.proxy.gpu_budget enforces it); None: none.
+    gpu_seconds_month: int | None = None
+
+    @property
+    def team_id(self) -> int | None:
+        """The team a principal's limits belong to (a team principal's own id), or its key's team."""
+        if self.key_id < 0:
+            return -self.key_id
+        return self.team.team_id if self.team is not None else None
 
     def has_role(self, needed: str) -> bool:
         return ROLE_RANK[Role(self.role)] >= ROLE_RANK[Role(needed)]
@@ -82,8 +94,15 @@ class Principal:
         return (self.rpm is not None or self.tpm is not None or self.daily_tokens is not None
                 or self.monthly_tokens is not None)
 
+    @property
+    def models_limited(self) -> bool:
+        """Whether the key or its team names the models it may use."""
+        return self.allowed_models is not None or (self.team is not None and self.team.allowed_models is not None)
+
     def may_use(self, model: str) -> bool:
-        return self.allowed_models is None or model in self.allowed_models
+        """The key's allowed_models and its team's both allow `model`."""
+        return ((self.allowed_models is None or model in self.allowed_models)
+                and (self.team is None or self.team.may_use(model)))
 
     def has_scope(self, scope: str) -> bool:
         return scope in self.scopes
@@ -198,8 +217,19 @@ session_cache = PrincipalCache(SESSION_CACHE_S)
 
 
 # ---------------------------------------------------------------- keys
+def principal_for_team(team: Team) -> Principal:
+    """A team's limits as the proxy's limiter takes them: a principal of key id -team.id (so its
+    counters never meet a key's), named after the team."""
+    return Principal(
+        user_id=0, username=f"team:{team.slug}", role=Role.VIEWER, key_id=-team.pk, key_name=team.name,
+        allowed_models=frozenset(team.allowed_models) if team.allowed_models else None,
+        rpm=team.rpm, tpm=team.tpm, daily_tokens=team.daily_tokens, monthly_tokens=team.monthly_tokens,
+        scopes=frozenset(), gpu_seconds_month=team.gpu_seconds_month,
+    )
+
+
 def principal_for_key(key: ApiKey) -> Principal:
-    """The cached form of a usable key (its user selected)."""
+    """The cached form of a usable key (its user and team selected)."""
     role = "admin" if key.user.is_superuser else key.user.role
     return Principal(
         user_id=key.user_id, username=key.user.username, role=role, key_id=key.pk, key_name=key.name,
@@ -207,13 +237,14 @@ def principal_for_key(key: ApiKey) -> Principal:
         allowed_models=frozenset(key.allowed_models) if key.allowed_models else None,
         rpm=key.rpm, tpm=key.tpm, daily_tokens=key.daily_tokens, monthly_tokens=key.monthly_tokens,
         priority=key.priority, scopes=frozenset(key.scopes if key.scopes is not None else KEY_SCOPES),
+        team=principal_for_team(key.team) if key.team is not None else None,
     )
 
 
 def _load_key(digest: str) -> Principal | None:
     """Read one key by hash and cache what was read (unless a change came in meanwhile)."""
     generation = key_cache.generation
-    principal = _usable_principal(ApiKey.objects.select_related("user").filter(key_hash=digest).first())
+    principal = _usable_principal(ApiKey.objects.select_related("user", "team").filter(key_hash=digest).first())
     key_cache.put(digest, principal, generation=generation)
     return principal
 
@@ -231,7 +262,7 @@ def _reload_keys(digests: list[str]) -> int:
     """Re-read the cached keys `digests` in one query (the upkeep's refresh ahead); returns how
     many were read. A key gone or no longer usable is cached as refused."""
     generation = key_cache.generation
-    found = {k.key_hash: k for k in ApiKey.objects.select_related("user").filter(key_hash__in=digests)}
+    found = {k.key_hash: k for k in ApiKey.objects.select_related("user", "team").filter(key_hash__in=digests)}
     for digest in digests:
         key_cache.put(digest, _usable_principal(found.get(digest)), generation=generation)
     return len(digests)
@@ -427,6 +458,28 @@ def _forget_sessions(**kwargs) -> None:
 user_logged_out.connect(_forget_sessions, dispatch_uid="xgen-proxy-session-cache")
 
 
+# A page's request re-checks an SSO session with its provider (accounts.sso_check's middleware, every
+# XGEN_SSO_RECHECK_S); the proxy runs no Django middleware, so it refuses an SSO session whose last
+# check is later than that by more than this grace, until a page has checked it again.
+SSO_PROXY_GRACE_S = 60
+# Where a session keeps its single sign-on state (accounts.sso, accounts.oidc, accounts.ldap write it):
+# {"source": "oidc"|"ldap", "checked": unix time, "refresh_token": ...}
+SSO_SESSION_KEY = "xgen_idp"
+
+
+def sso_check_age(state: dict) -> float:
+    """Seconds since the provider last accepted an SSO session (its state's `checked` time), for
+    the page's re-check (accounts.sso_check) and the proxy's refusal (sso_check_overdue) alike."""
+    return time.time() - state.get("checked", 0)
+
+
+def sso_check_overdue(session) -> bool:
+    state = session.get(SSO_SESSION_KEY)
+    if not state:
+        return False
+    return sso_check_age(state) > settings.SSO_RECHECK_S + SSO_PROXY_GRACE_S
+
+
 def _session_principal(session_key: str) -> Principal | None:
     """The signed-in user of a Django session (hash-verified like django.contrib.auth), or None."""
     from importlib import import_module
@@ -441,7 +494,7 @@ def _session_principal(session_key: str) -> Principal | None:
 
     user = get_user(_SessionOnly)
     principal = None
-    if user.is_authenticated and user.is_active:
+    if user.is_authenticated and user.is_active and not sso_check_overdue(store):
         role = "admin" if user.is_superuser else user.role
         principal = Principal(user_id=user.pk, username=user.username, role=role, key_id=0)
     session_cache.put(session_key, principal, generation=generation)

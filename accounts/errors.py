@@ -7,6 +7,7 @@ handler (the proxy, the body guard), which sends `body()` itself.
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from django.http import JsonResponse
 from ninja.errors import HttpError
@@ -32,7 +33,7 @@ def error_type_for(status: int) -> str:
     return ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
 
 
-def error_body(message: str, *, status: int, code: str | None = None, type: str | None = None) -> dict:
+def error_body(message: str, *, status: int, code: str | None = None, type: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": type or error_type_for(status), "code": code}}
 
 

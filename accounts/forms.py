@@ -1,7 +1,7 @@
 from django import forms
 from django.contrib.auth.password_validation import validate_password
 
-from accounts.models import KEY_SCOPES, Role, User
+from accounts.models import KEY_SCOPES, Role, Team, User
 
 
 class UserCreateForm(forms.Form):
@@ -81,16 +81,23 @@ class ApiKeyLimitsForm(forms.Form):
                                                   "monthly_tokens", "priority", "scopes")}
 
 
+def _team_field() -> forms.ModelChoiceField:
+    return forms.ModelChoiceField(queryset=Team.objects.order_by("name"), required=False, empty_label="(no team)",
+                                  help_text="the team that owns the key: its limits apply on top of the key's")
+
+
 class ApiKeyCreateForm(ApiKeyLimitsForm):
     name = forms.CharField(max_length=100)
     user = forms.ModelChoiceField(queryset=User.objects.filter(is_active=True).order_by("username"))
+    team = _team_field()
     expires_in_days = forms.IntegerField(required=False, min_value=1, max_value=3650, label="Expires in (days)")
 
-    field_order = ["name", "user", "expires_in_days", "scopes", "allowed_models", "rpm", "tpm", "daily_tokens",
+    field_order = ["name", "user", "team", "expires_in_days", "scopes", "allowed_models", "rpm", "tpm", "daily_tokens",
                    "monthly_tokens", "priority"]
 
 
 class ApiKeyEditForm(ApiKeyLimitsForm):
     name = forms.CharField(max_length=100)
+    team = _team_field()
 
-    field_order = ["name", "scopes", "allowed_models", "rpm", "tpm", "daily_tokens", "monthly_tokens", "priority"]
+    field_order = ["name", "team", "scopes", "allowed_models", "rpm", "tpm", "daily_tokens", "monthly_tokens", "priority"]

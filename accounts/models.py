@@ -13,28 +13,60 @@ from django.utils import timezone
 
 
 class Role(models.TextChoices):
-    ADMIN = "admin", "Admin"
-    OPERATOR = "operator", "Operator"
-    VIEWER = "viewer", "Viewer"
+    # Each member is its str value at run time (Django's enum metaclass); Django ships no types,
+    # so without the annotation a type checker takes the (value, label) tuple for the member.
+    ADMIN: str = "admin", "Admin"  # type: ignore[assignment]
+    OPERATOR: str = "operator", "Operator"  # type: ignore[assignment]
+    VIEWER: str = "viewer", "Viewer"  # type: ignore[assignment]
 
 
 ROLE_RANK = {Role.VIEWER: 0, Role.OPERATOR: 1, Role.ADMIN: 2}
 
 
+def effective_role(*roles: str) -> str:
+    """The highest of `roles` (empty ones ignored); viewer when none is set."""
+    given = [Role(r) for r in roles if r]
+    return max(given, key=ROLE_RANK.__getitem__) if given else Role.VIEWER
+
+
 class ConsoleUserManager(UserManager):
+    def _create_user(self, username, email, password, **extra_fields):
+        # A user made in the console (page, createuser, ensureadmin) holds its role locally.
+        extra_fields.setdefault("local_role", extra_fields.get("role", Role.VIEWER))
+        return super()._create_user(username, email, password, **extra_fields)
+
     def create_superuser(self, username, email=None, password=None, **extra_fields):
         # A superuser is an admin by role too, so the Users page shows (and can change) what it is.
         extra_fields.setdefault("role", Role.ADMIN)
         return super().create_superuser(username, email, password, **extra_fields)
 
 
+class IdpSource(models.TextChoices):
+    LOCAL = "", "Local"
+    OIDC = "oidc", "OpenID Connect"
+    LDAP = "ldap", "LDAP"
+
+
 class User(AbstractUser):
+    # The effective role: the higher of local_role (set here, on the Users page) and idp_role (from
+    # the identity provider's groups, accounts.sso); a sync changes only idp_role.
     role = models.CharField(max_length=16, choices=Role.choices, default=Role.VIEWER)
+    local_role = models.CharField(max_length=16, choices=Role.choices, blank=True, default="",
+                                  help_text="the role given in the console; empty: none (an SSO user)")
+    # Where the user signs in: local (password), OIDC or LDAP. SSO users have no usable password.
+    idp_source = models.CharField(max_length=8, choices=IdpSource.choices, blank=True, default="")
+    idp_subject = models.CharField(max_length=255, blank=True, default="", help_text="OIDC sub, or LDAP DN")
+    idp_groups = models.JSONField(null=True, blank=True, help_text="the groups at the last sync; null: never sent")
+    idp_role = models.CharField(max_length=16, choices=Role.choices, blank=True, default="",
+                                help_text="the role the groups map to (XGEN_SSO_GROUP_ROLES); empty: none")
+    idp_synced_at = models.DateTimeField(null=True, blank=True)
 
     objects = ConsoleUserManager()
 
     class Meta(AbstractUser.Meta):
         db_table = "xgenconsole_user"  # and so xgenconsole_user_groups, xgenconsole_user_user_permissions
+        constraints = [models.UniqueConstraint(fields=["idp_source", "idp_subject"], condition=~models.Q(idp_source=""),
+                                               name="user_idp_subject_unique")]
 
     def has_role(self, needed: str) -> bool:
         """True when this user's role is `needed` or above (admin > operator > viewer)."""
@@ -42,6 +74,20 @@ class User(AbstractUser):
             return False
         mine = Role.ADMIN if self.is_superuser else self.role
         return ROLE_RANK[Role(mine)] >= ROLE_RANK[Role(needed)]
+
+    def team_scope(self) -> set[int] | None:
+        """The teams a team lead is limited to: a lead whose role is below operator reads the usage,
+        request log and keys of the teams it leads, and nothing of other teams. None: not limited
+        (an operator or admin reads everything; a viewer that leads no team, as before teams)."""
+        if self.has_role(Role.OPERATOR):
+            return None
+        led = set(self.team_memberships.filter(is_lead=True).values_list("team_id", flat=True))
+        return led or None
+
+    def leads(self, team_id: int) -> bool:
+        """Whether this user may manage `team_id`'s keys: an admin, or the team's lead."""
+        return self.has_role(Role.ADMIN) or (
+            self.is_active and self.team_memberships.filter(team_id=team_id, is_lead=True).exists())
 
 
 KEY_PREFIX = "xgen_"
@@ -59,10 +105,65 @@ def hash_key(raw: str) -> str:
     return hashlib.sha256(raw.encode()).hexdigest()
 
 
+class Team(models.Model):
+    """A group of users that owns keys, with limits and quotas on top of each key's own: the proxy
+    counts every key of the team together (rpm, tpm, daily and monthly tokens, GPU-seconds per
+    month), and refuses a model the team may not use. Empty (null, []) means unlimited."""
+
+    name = models.CharField(max_length=100, unique=True)
+    slug = models.SlugField(max_length=50, unique=True)
+    created_at = models.DateTimeField(default=timezone.now)
+    allowed_models = models.JSONField(default=list, blank=True, help_text="served names; [] = every model")
+    rpm = models.PositiveIntegerField(null=True, blank=True, help_text="requests per minute, all keys together")
+    tpm = models.PositiveBigIntegerField(null=True, blank=True, help_text="tokens per minute, all keys together")
+    daily_tokens = models.PositiveBigIntegerField(null=True, blank=True, help_text="tokens per UTC day")
+    monthly_tokens = models.PositiveBigIntegerField(null=True, blank=True, help_text="tokens per UTC month")
+    gpu_seconds_month = models.PositiveBigIntegerField(
+        null=True, blank=True,
+        help_text="GPU-seconds per UTC month, all keys together (the proxy refuses the keys once used)")
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+    @property
+    def is_limited(self) -> bool:
+        return bool(self.allowed_models) or any(
+            v is not None for v in (self.rpm, self.tpm, self.daily_tokens, self.monthly_tokens))
+
+
+class MembershipSource(models.TextChoices):
+    LOCAL: str = "local", "Local"  # type: ignore[assignment]
+    IDP: str = "idp", "Identity provider"  # type: ignore[assignment]
+
+
+class TeamMembership(models.Model):
+    """A user in a team: given in the console (local) or by the identity provider's groups
+    (XGEN_SSO_GROUP_TEAMS, idp). A sign-in's sync adds and removes idp memberships only; a local one
+    is never removed by it (and wins: a user already a local member is not made an idp one)."""
+
+    team = models.ForeignKey(Team, on_delete=models.CASCADE, related_name="memberships")
+    user = models.ForeignKey(User, on_delete=models.CASCADE, related_name="team_memberships")
+    source = models.CharField(max_length=8, choices=MembershipSource.choices, default=MembershipSource.LOCAL)
+    is_lead = models.BooleanField(default=False, help_text="sees and manages the team's keys and usage")
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["team", "user"], name="team_member_unique")]
+        ordering = ["team__name", "user__username"]
+
+    def __str__(self) -> str:
+        return f"{self.user} in {self.team} ({self.source}{', lead' if self.is_lead else ''})"
+
+
 class ApiKey(models.Model):
     """A bearer key; only its SHA-256 is stored, the key itself is shown once."""
 
     user = models.ForeignKey(User, on_delete=models.CASCADE, related_name="api_keys")
+    # The team that owns the key: its limits apply on top of the key's own (serving.proxy.admission).
+    team = models.ForeignKey(Team, on_delete=models.SET_NULL, null=True, blank=True, related_name="api_keys")
     name = models.CharField(max_length=100)
     prefix = models.CharField(max_length=16, help_text="first characters, to recognise a key")
     key_hash = models.CharField(max_length=64, unique=True)

@@ -6,12 +6,19 @@ port of the same host (any local web app) could open `/ws/instances/N/` with a v
 """
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+from typing import Any
 from urllib.parse import urlsplit
 
 from channels.security.websocket import WebsocketDenier
 from django.conf import settings
 from django.http.request import split_domain_port, validate_host
 from django.utils.http import is_same_domain
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
 def _trusted(origin: str) -> bool:
@@ -38,7 +45,7 @@ def origin_allowed(origin: str, *, scheme: str, host: str) -> bool:
     return _trusted(origin)
 
 
-def _secure(scope: dict, headers: dict[bytes, bytes]) -> bool:
+def _secure(scope: Scope, headers: dict[bytes, bytes]) -> bool:
     """wss, or (behind a TLS proxy) SECURE_PROXY_SSL_HEADER as Django's request.is_secure() reads it."""
     if scope.get("scheme") in ("wss", "https"):
         return True
@@ -54,10 +61,10 @@ class WebsocketOriginValidator:
     """ASGI middleware for websockets: a handshake without an Origin, or from any other origin than
     the page's own (or a trusted one), is refused before the consumer runs."""
 
-    def __init__(self, application) -> None:
+    def __init__(self, application: ASGIApp) -> None:
         self.application = application
 
-    async def __call__(self, scope, receive, send):
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers = dict(scope.get("headers") or [])
         origin = headers.get(b"origin", b"").decode("latin-1")
         host = headers.get(b"host", b"").decode("latin-1")

@@ -7,7 +7,17 @@ from django.db import transaction
 from django.utils import timezone
 
 from accounts.credentials import notify_changed
-from accounts.models import KEY_SCOPES, ApiKey, Role, User, hash_key
+from accounts.models import (
+    KEY_SCOPES,
+    ApiKey,
+    MembershipSource,
+    Role,
+    Team,
+    TeamMembership,
+    User,
+    effective_role,
+    hash_key,
+)
 
 # The limit fields of a key, as the API, the Keys page and createapikey name them.
 LIMIT_FIELDS = ("allowed_models", "rpm", "tpm", "daily_tokens", "monthly_tokens", "priority", "scopes")
@@ -59,6 +69,10 @@ def update_user(*, user: User, role: str, is_active: bool, new_password: str = "
         changed.append("is_superuser")
     if user.is_active != is_active:
         changed.append("is_active")
+    # The role set here is the user's local one; a role from the identity provider's groups above it
+    # stays in effect (accounts.sso) until the provider takes it back.
+    user.local_role = role
+    role = effective_role(role, user.idp_role)
     user.role = role
     user.is_staff = role == Role.ADMIN
     user.is_active = is_active
@@ -72,7 +86,7 @@ def update_user(*, user: User, role: str, is_active: bool, new_password: str = "
 
 def clean_limits(values: dict) -> dict:
     """Key limits as stored: counts >= 1 or None (unlimited), model names stripped, priority 0-9."""
-    out = {}
+    out: dict[str, list[str] | int | None] = {}
     for field, value in values.items():
         if field == "allowed_models":
             if value is None:
@@ -113,14 +127,15 @@ def expiry_in(days: int | None) -> datetime | None:
     return timezone.now() + timedelta(days=days)
 
 
-def create_api_key(*, user: User, name: str, expires_at: datetime | None = None, **limits) -> tuple[ApiKey, str]:
+def create_api_key(*, user: User, name: str, expires_at: datetime | None = None, team: Team | None = None,
+                   **limits) -> tuple[ApiKey, str]:
     """Returns the stored key and the raw key, which is never stored or shown again.
     `limits`: allowed_models, rpm, tpm, daily_tokens, monthly_tokens, priority (absent: unlimited), scopes
-    (absent: all three)."""
+    (absent: all three); `team`: the team that owns it (its limits apply too)."""
     raw = ApiKey.generate()
     key = ApiKey.objects.create(
         user=user, name=(name or "key")[:100], prefix=raw[:12], key_hash=hash_key(raw), expires_at=expires_at,
-        **clean_limits(limits),
+        team=team, **clean_limits(limits),
     )
     return key, raw
 
@@ -155,3 +170,98 @@ def revoke_api_key(*, key: ApiKey) -> bool:
         key.save(update_fields=["revoked_at"])
     notify_changed("keys", key.key_hash)
     return first
+
+
+# ---------------------------------------------------------------- teams
+TEAM_LIMIT_FIELDS = ("allowed_models", "rpm", "tpm", "daily_tokens", "monthly_tokens", "gpu_seconds_month")
+
+
+def clean_team(values: dict) -> dict:
+    """Team fields as stored: name 1-100 characters, slug lower-case letters, digits, - and _
+    (made from the name when absent), limits as a key's (counts >= 1 or None)."""
+    from django.utils.text import slugify
+
+    out: dict = {}
+    if "name" in values:
+        name = (values["name"] or "").strip()
+        if not name or len(name) > 100:
+            raise KeyInputError("name must be 1-100 characters.")
+        out["name"] = name
+    if "slug" in values:
+        slug = values["slug"]
+        slug = slugify(slug if slug else out.get("name", "")).strip("-_")[:50]
+        if not slug:
+            raise KeyInputError("slug must have a letter or digit (a-z, 0-9, - and _).")
+        out["slug"] = slug
+    limits = {f: v for f, v in values.items() if f in TEAM_LIMIT_FIELDS and f != "gpu_seconds_month"}
+    out.update(clean_limits(limits))
+    if "gpu_seconds_month" in values:
+        v = values["gpu_seconds_month"]
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= 10**15):
+            raise KeyInputError("gpu_seconds_month must be a whole number of at least 1, or empty for unlimited.")
+        out["gpu_seconds_month"] = v
+    unknown = set(values) - {"name", "slug", *TEAM_LIMIT_FIELDS}
+    if unknown:
+        raise KeyInputError(f"unknown team field {sorted(unknown)[0]!r}")
+    return out
+
+
+def create_team(*, name: str, slug: str | None = None, **limits) -> Team:
+    """A team; KeyInputError for a bad field or a name or slug taken."""
+    fields = clean_team({"name": name, "slug": slug, **limits})
+    if Team.objects.filter(slug=fields["slug"]).exists() or Team.objects.filter(name=fields["name"]).exists():
+        raise KeyInputError(f"a team named {fields['name']!r} or with slug {fields['slug']!r} exists already.")
+    return Team.objects.create(**fields)
+
+
+def update_team(*, team: Team, **changes) -> list[str]:
+    """Change a team's name, slug or limits; the names of what changed. Its keys' cached limits are
+    dropped in every process (the proxy reads the new ones at the next request)."""
+    fields = clean_team(changes)
+    for field in ("name", "slug"):
+        if field in fields and Team.objects.filter(**{field: fields[field]}).exclude(pk=team.pk).exists():
+            raise KeyInputError(f"another team has the {field} {fields[field]!r}.")
+    changed = [f for f, v in fields.items() if getattr(team, f) != v]
+    for field in changed:
+        setattr(team, field, fields[field])
+    if changed:
+        team.save(update_fields=changed)
+        notify_changed("keys")
+    return changed
+
+
+def delete_team(*, team: Team) -> int:
+    """Delete a team: its memberships go, its keys stay (without a team, so without its limits).
+    Returns how many keys it owned."""
+    keys = team.api_keys.count()
+    team.delete()
+    notify_changed("keys")
+    return keys
+
+
+def add_member(*, team: Team, user: User, is_lead: bool = False) -> tuple[TeamMembership, bool]:
+    """Put `user` in `team` as a local member (an IdP membership becomes local: the console keeps it
+    whatever the groups say); (membership, created)."""
+    membership, created = TeamMembership.objects.get_or_create(
+        team=team, user=user, defaults={"source": MembershipSource.LOCAL, "is_lead": is_lead})
+    if not created and (membership.source != MembershipSource.LOCAL or membership.is_lead != is_lead):
+        membership.source, membership.is_lead = MembershipSource.LOCAL, is_lead
+        membership.save(update_fields=["source", "is_lead"])
+    return membership, created
+
+
+def remove_member(*, team: Team, user: User) -> bool:
+    """Take `user` out of `team` (whatever the source: an IdP one comes back at the next sign-in
+    while the groups still say so). False when it was not a member."""
+    deleted, _ = TeamMembership.objects.filter(team=team, user=user).delete()
+    return bool(deleted)
+
+
+def set_key_team(*, key: ApiKey, team: Team | None) -> bool:
+    """Give a key to a team (or none); True when it changed."""
+    if key.team_id == (team.pk if team else None):
+        return False
+    key.team = team
+    key.save(update_fields=["team"])
+    notify_changed("keys", key.key_hash)
+    return True

@@ -13,6 +13,7 @@ from django.shortcuts import render
 
 from accounts.audit import record_audit
 from accounts.models import AuditOutcome
+from accounts.sso import sso_context
 
 
 class SignInThrottleBackend(AxesStandaloneBackend):
@@ -37,7 +38,10 @@ def locked_out_response(request: HttpRequest, original_response: object = None,
     (request, response, credentials) or, on its async path, (request, credentials))."""
     message = (f"Too many failed sign-ins for this user name or from this address: sign-in is paused for "
                f"{cooloff_text()}.")
-    context = {"form": AuthenticationForm(request), "locked_out": message, "next": request.POST.get("next", "")}
+    from accounts import oidc
+
+    context = {"form": AuthenticationForm(request), "locked_out": message, "next": request.POST.get("next", ""),
+               "oidc_enabled": oidc.enabled(), **sso_context(request)}
     response = render(request, "accounts/login.html", context, status=429)
     response["Retry-After"] = str(int(settings.AXES_COOLOFF_TIME.total_seconds()))
     return response

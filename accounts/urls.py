@@ -1,10 +1,12 @@
 from django.contrib.auth import views as auth_views
 from django.urls import path
 
-from accounts import views
+from accounts import oidc, views
 
 urlpatterns = [
     path("accounts/login/", views.SignIn.as_view(), name="login"),
+    path("accounts/oidc/login/", oidc.oidc_login, name="oidc-login"),
+    path("accounts/oidc/callback/", oidc.oidc_callback, name="oidc-callback"),
     path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("accounts/password/", views.PasswordChange.as_view(), name="password-change"),
     path("users/", views.users_page, name="users"),

@@ -22,9 +22,11 @@ from accounts.services import (
     create_user,
     expiry_in,
     revoke_api_key,
+    set_key_team,
     update_api_key,
     update_user,
 )
+from accounts.sso import sso_context
 
 AUDIT_PAGE_SIZE = 100
 
@@ -40,6 +42,14 @@ class SignIn(LoginView):
         with connection.cursor() as cursor:
             cursor.execute("SELECT 1")
         return super().get(request, *args, **kwargs)
+
+    def get_context_data(self, **kwargs):
+        from accounts import oidc
+
+        context = super().get_context_data(**kwargs)
+        context.update(sso_context(self.request))
+        context["oidc_enabled"] = oidc.enabled()
+        return context
 
 
 class PasswordChange(PasswordChangeView):
@@ -94,6 +104,12 @@ def user_edit(request: HttpRequest, user_id: int) -> HttpResponse:
                          outcome=AuditOutcome.REFUSED, detail={"reason": "self-demotion"})
             messages.error(request, "You cannot demote or deactivate yourself.")
             return redirect("user-edit", user_id=target.pk)
+        if target.idp_source and form.cleaned_data["new_password"]:
+            record_audit(action="user_change", target=target.username, request=request,
+                         outcome=AuditOutcome.REFUSED, detail={"reason": "password for an SSO user"})
+            messages.error(request, f"{target.username} signs in with {target.get_idp_source_display()}: "
+                                    f"no password can be set here.")
+            return redirect("user-edit", user_id=target.pk)
         changed = update_user(user=target, role=form.cleaned_data["role"], is_active=form.cleaned_data["is_active"],
                               new_password=form.cleaned_data["new_password"])
         record_audit(action="user_change", target=target.username, request=request,
@@ -112,7 +128,7 @@ def keys_page(request: HttpRequest) -> HttpResponse:
             owner = form.cleaned_data["user"]
             key, raw = create_api_key(user=owner, name=form.cleaned_data["name"],
                                       expires_at=expiry_in(form.cleaned_data.get("expires_in_days")),
-                                      **form.limits())
+                                      team=form.cleaned_data.get("team"), **form.limits())
             record_audit(action="key_create", target=f"key {key.pk} ({key.name})", request=request,
                          detail={"user": owner.username, **_limits_detail(key)})
             # Post/Redirect/Get: the raw key rides in the session for exactly one page view.
@@ -122,7 +138,7 @@ def keys_page(request: HttpRequest) -> HttpResponse:
         record_audit(action="key_create", target=request.POST.get("name", ""), request=request,
                      outcome=AuditOutcome.REFUSED, detail={"errors": sorted(form.errors)})
     new_key = request.session.pop("new_api_key", None)
-    keys = ApiKey.objects.select_related("user").all()
+    keys = ApiKey.objects.select_related("user", "team").all()
     response = render(request, "accounts/keys.html", {"form": form, "keys": keys, "new_key": new_key})
     if new_key:
         response["Cache-Control"] = "no-store"
@@ -132,20 +148,22 @@ def keys_page(request: HttpRequest) -> HttpResponse:
 def _limits_detail(key: ApiKey) -> dict:
     return {"allowed_models": list(key.allowed_models or []), "rpm": key.rpm, "tpm": key.tpm,
             "daily_tokens": key.daily_tokens, "monthly_tokens": key.monthly_tokens, "priority": key.priority,
-            "scopes": list(key.scopes or [])}
+            "scopes": list(key.scopes or []), "team": key.team.slug if key.team else None}
 
 
 @role_required(Role.ADMIN)
 @require_http_methods(["GET", "POST"])
 def key_edit(request: HttpRequest, key_id: int) -> HttpResponse:
-    key = get_object_or_404(ApiKey.objects.select_related("user"), pk=key_id)
+    key = get_object_or_404(ApiKey.objects.select_related("user", "team"), pk=key_id)
     initial = {"name": key.name, "allowed_models": ", ".join(key.allowed_models or []), "rpm": key.rpm,
                "tpm": key.tpm, "daily_tokens": key.daily_tokens, "monthly_tokens": key.monthly_tokens,
-               "priority": key.priority, "scopes": list(key.scopes or [])}
+               "priority": key.priority, "scopes": list(key.scopes or []), "team": key.team_id}
     form = ApiKeyEditForm(request.POST or None, initial=initial)
     if request.method == "POST":
         if form.is_valid():
             changed = update_api_key(key=key, name=form.cleaned_data["name"], **form.limits())
+            if set_key_team(key=key, team=form.cleaned_data.get("team")):
+                changed.append("team")
             record_audit(action="key_change", target=f"key {key.pk} ({key.name})", request=request,
                          detail={"changed": changed, **_limits_detail(key)})
             messages.success(request, f"Key {key.name} saved." if changed else f"Key {key.name}: nothing changed.")

@@ -60,6 +60,12 @@ CHUNK = b"data: " + json.dumps({
     "id": "chatcmpl-bench", "object": "chat.completion.chunk", "created": 0, "model": "fast",
     "choices": [{"index": 0, "delta": {"content": "tok"}, "finish_reason": None}],
 }).encode() + b"\n\n"
+# The last chunk of a stream whose client asked for usage (the console asks for every stream it
+# relays, to bill it): without it the console would ask the engine to count the prompt afterwards.
+USAGE_CHUNK = b"data: " + json.dumps({
+    "id": "chatcmpl-bench", "object": "chat.completion.chunk", "created": 0, "model": "fast", "choices": [],
+    "usage": {"prompt_tokens": 9, "completion_tokens": STREAM_CHUNKS, "total_tokens": 9 + STREAM_CHUNKS},
+}).encode() + b"\n\n"
 ROUNDS = 3
 SMALL = {"model": "fast", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
 RERANK_ANSWER = json.dumps({
@@ -90,6 +96,8 @@ def run_upstream(port: int) -> None:
             await response.write(CHUNK)
             if pace:
                 await asyncio.sleep(pace)
+        if (body.get("stream_options") or {}).get("include_usage"):  # as llama.cpp's engines and vLLM answer it
+            await response.write(USAGE_CHUNK)
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
@@ -251,20 +259,22 @@ def stop(proc: subprocess.Popen) -> None:
 class ConsoleProcess:
     """A real `manage.py serve` with its own data dir, a viewer key, and READY rows for the backends."""
 
-    def __init__(self, server: str, workdir: Path, backends: dict[str, int], serve_args: tuple[str, ...] = ()
-                 ) -> None:
+    def __init__(self, server: str, workdir: Path, backends: dict[str, int], serve_args: tuple[str, ...] = (),
+                 *, tag: str = "", env: dict | None = None, max_concurrency: int | None = None,
+                 limited_key: bool = True) -> None:
         self.port = free_port()
         server, _, loop = server.partition(":")  # "uvicorn:uvloop", "uvicorn:asyncio"
-        data = workdir / f"console-{server}-{loop or 'default'}{'-'.join(('', *serve_args)).replace('--', '')}"
+        data = workdir / f"console-{server}-{loop or 'default'}{'-'.join(('', *serve_args)).replace('--', '')}{tag}"
         self.env = {**os.environ, "DJANGO_SETTINGS_MODULE": "xgenconsole.settings", "XGEN_DATA_DIR": str(data),
                     "XGEN_NODE_NAME": "bench-web", "XGEN_DEMO_MODEL": "false", "XGEN_ADMIN_PASSWORD": "bench-pass-123",
-                    "XGEN_NODE_STALE_AFTER": "3600", "XGEN_NODE_OFFLINE_AFTER": "7200", "XGEN_LOG_LEVEL": "WARNING"}
+                    "XGEN_NODE_STALE_AFTER": "3600", "XGEN_NODE_OFFLINE_AFTER": "7200", "XGEN_LOG_LEVEL": "WARNING",
+                    **(env or {})}
         for cmd in (["migrate", "-v0"], ["ensureadmin"],
                     ["createuser", "--username", "bench", "--role", "viewer", "--password", "bench-pass-123"]):
             self.manage(*cmd)
         # A key with (generous) limits where this version has them: the limiter, the usage buckets and
         # the request log all run on every request, as they do for a limited key in production.
-        limited = "--rpm" in self.manage("createapikey", "--help")
+        limited = limited_key and "--rpm" in self.manage("createapikey", "--help")
         self.key_kind = "a limited key (rpm, tpm)" if limited else "an unlimited key (no key limits in this version)"
         self.key = self.manage("createapikey", "--username", "bench",
                                *(["--rpm", "10000000", "--tpm", "1000000000"] if limited else [])).split()[-1]
@@ -279,7 +289,8 @@ from serving.models import ModelInstance
 node, _ = Node.objects.update_or_create(name="bench-node", defaults={{"address": "127.0.0.1", "last_heartbeat": timezone.now()}})
 for row in json.loads({rows!r}):
     ModelInstance.objects.create(model_name=row["name"], model_path="/bench", backend="bench", node=node,
-                                 port=row["port"], state="READY", ready_at=timezone.now(), type=row["type"])
+                                 port=row["port"], state="READY", ready_at=timezone.now(), type=row["type"],
+                                 max_concurrency={max_concurrency!r})
 """)
         self.log = open(data / "serve.log", "wb")  # noqa: SIM115
         self.proc = subprocess.Popen(
@@ -598,6 +609,37 @@ async def passthrough(server: str, console: ConsoleProcess, fast_port: int, mini
     return lines
 
 
+async def admission(consoles: dict[str, ConsoleProcess], fast_port: int, scale: float) -> list[str]:
+    """Issue 25 #1: the added p50 at c=1 of a model with max_concurrency (1000: never full) admitted
+    in-process (no REDIS_URL) vs in Redis (cluster mode), and, in Redis mode, of the same model
+    without max_concurrency (no admission: what REDIS_URL costs otherwise). Unlimited keys, so the
+    rate limiter asks nothing of Redis; interleaved rounds against one direct baseline."""
+    import aiohttp
+
+    plain = {"Content-Type": "application/json"}
+    direct_url = f"http://127.0.0.1:{fast_port}/v1/chat/completions"
+    n = max(ROUNDS * 20, int(1200 * scale)) // (ROUNDS * 3) * (ROUNDS * 3)
+    lats: dict[str, list[float]] = {"direct": [], **{name: [] for name in consoles}}
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        for console in consoles.values():  # warm every path, pool and script cache
+            await small_requests(session, f"{console.url}/v1/chat/completions",
+                                 {**plain, "Authorization": f"Bearer {console.key}"}, 100, 1)
+        for _ in range(ROUNDS * 3):
+            lats["direct"] += (await small_requests(session, direct_url, plain, n // (ROUNDS * 3), 1))[0]
+            for name, console in consoles.items():
+                lats[name] += (await small_requests(session, f"{console.url}/v1/chat/completions",
+                                                    {**plain, "Authorization": f"Bearer {console.key}"},
+                                                    n // (ROUNDS * 3), 1))[0]
+    direct = pct(lats["direct"], .5)
+    added = {name: pct(lats[name], .5) - direct for name in consoles}
+    lines = [f"admission c=1 n={n}: direct p50 {1000 * direct:.3f} ms"]
+    lines += [f"admission c=1 {name:22} p50 {1000 * pct(lats[name], .5):.3f} ms, added p50 {1000 * added[name]:+.3f} ms"
+              for name in consoles]
+    lines.append(f"admission c=1 Redis admission - in-process admission: added p50 "
+                 f"{1000 * (added['redis-admission'] - added['in-process']):+.3f} ms (target <= +0.3 ms)")
+    return lines
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of a process (and its reaped children) so far, from /proc."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -708,10 +750,14 @@ def main() -> None:
     parser.add_argument("--gaps", default="0.02,1.2,35", help="idle gaps (s) for the probe; empty: skip it")
     parser.add_argument("--gap-samples", type=int, default=6,
                         help="requests per target per gap (rounded up to a multiple of the targets)")
-    parser.add_argument("--only", choices=["all", "passthrough", "streams", "edge"], default="all",
+    parser.add_argument("--redis", default="redis://127.0.0.1:6379/11",
+                        help="--only admission: the Redis of the cluster-mode consoles (a db of their own)")
+    parser.add_argument("--only", choices=["all", "passthrough", "streams", "edge", "admission"], default="all",
                         help="passthrough: only the passthrough routes beside chat (and the idle gaps); "
                              "streams: only 64 unpaced streams, direct / minimal proxy / console, with CPU time; "
-                             "edge: req/s of uvicorn with and without the request-head limits, same rounds")
+                             "edge: req/s of uvicorn with and without the request-head limits, same rounds; "
+                             "admission: added p50 at c=1 with max_concurrency admitted in-process vs in Redis "
+                             "(cluster mode, --redis), same rounds")
     parser.add_argument("--pin", action="store_true",
                         help="give the proxies (console, minimal) CPU 1 and everything else CPU 0, as on a server "
                              "where clients and backends are not on the proxy's cores")
@@ -783,6 +829,22 @@ def main() -> None:
                        "minimal": (f"http://127.0.0.1:{minimal_port}/v1/chat/completions", plain)}
             consoles = []
             try:
+                if args.only == "admission":
+                    import redis
+
+                    redis.Redis.from_url(args.redis).flushdb()
+                    backends = {"fast": fast_port}
+                    cluster = {"REDIS_URL": args.redis}
+                    modes = {"in-process": ConsoleProcess("uvicorn", work, backends, tag="-local", max_concurrency=1000,
+                                                          limited_key=False),
+                             "redis-admission": ConsoleProcess("uvicorn", work, backends, tag="-redis", env=cluster,
+                                                               max_concurrency=1000, limited_key=False),
+                             "redis-no-max-concurrency": ConsoleProcess("uvicorn", work, backends, tag="-redis-none",
+                                                                        env=cluster, limited_key=False)}
+                    consoles += modes.values()
+                    for line in asyncio.run(admission(modes, fast_port, args.scale)):
+                        print(line, flush=True)
+                    return
                 if args.only == "edge":
                     for line in asyncio.run(protocol_cpu(args.scale)):
                         print(line, flush=True)

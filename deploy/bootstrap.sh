@@ -18,7 +18,12 @@ have python3.11 || pkgs+=(python3.11 python3.11-venv python3.11-dev)
 have cc || pkgs+=(build-essential)
 have cmake || pkgs+=(cmake)
 have git || pkgs+=(git)
+# python-ldap (LDAP sign-in, django-auth-ldap) has no wheel: pip builds it against OpenLDAP's and SASL's headers.
+[ -f /usr/include/ldap.h ] || pkgs+=(libldap2-dev)
+[ -f /usr/include/sasl/sasl.h ] || pkgs+=(libsasl2-dev)
 if [ "$mode" = test ]; then
+  have slapd || [ -x /usr/sbin/slapd ] || pkgs+=(slapd)  # the SSO tests' LDAP directory (tests/identity)
+  have ldapmodify || pkgs+=(ldap-utils)
   have chromium || pkgs+=(chromium)
   have npm || pkgs+=(npm)  # axe-core for the browser tests' accessibility check (never shipped)
   have pg_ctlcluster || pkgs+=(postgresql)
@@ -98,6 +103,15 @@ if [ ! -f "$axe_dir/node_modules/axe-core/axe.min.js" ]; then
     || echo "could not install axe-core@$axe_version into $axe_dir: the browser tests will say so" >&2
 fi
 
+# Tests: the OpenID provider the SSO tests sign in through (the npm package oidc-provider; tests/identity).
+oidc_dir="${XGEN_OIDC_PROVIDER_DIR:-$HOME/.cache/xgen/oidc-provider}"
+oidc_version=$(.venv/bin/python -c "import re; print(re.search(r'OIDC_PROVIDER_VERSION = \"([^\"]+)', open('tests/identity/conftest.py').read())[1])")
+if [ ! -f "$oidc_dir/node_modules/oidc-provider/package.json" ]; then
+  mkdir -p "$oidc_dir"
+  npm install --prefix "$oidc_dir" --no-audit --no-fund --no-save "oidc-provider@$oidc_version" 2>&1 | quiet \
+    || echo "could not install oidc-provider@$oidc_version into $oidc_dir: the SSO tests will say so" >&2
+fi
+
 # Tests: services for cluster-mode tests (already running on most of our machines).
 if is_root; then
   if have pg_ctlcluster && ! pg_isready -q -h 127.0.0.1 -p 5432 2>/dev/null; then
@@ -107,6 +121,12 @@ if is_root; then
     redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save "" --appendonly no || true
   fi
 fi
+# Tests: the linter and the type checker first (about a minute together); an error in either
+# fails the run before pytest starts (configured in pyproject.toml: [tool.ruff], [tool.mypy]).
+echo "ruff check"
+.venv/bin/ruff check || { echo "ruff found the errors above: the tests did not run" >&2; exit 1; }
+echo "mypy (accounts, live, hardware, hub, serving/proxy)"
+.venv/bin/mypy || { echo "mypy found the errors above: the tests did not run" >&2; exit 1; }
 status=0
 .venv/bin/python -m pytest "${@:2}" || status=$?
 # Browser tests use sync Playwright, which cannot share a process with the asyncio tests.

@@ -13,17 +13,32 @@
 #   llama.cpp/VERSION/lib/                  libllama, libggml*, libmtmd (RPATH $ORIGIN)
 #   llama.cpp/VERSION/build.json            written last: present = complete
 # A second run with the same VERSION does nothing (seconds).
+#
+# GPU builds (the images in deploy/Dockerfile.cuda): XGEN_LLAMA_GPU=cuda (or hip) and
+# XGEN_LLAMA_GPU_ARCHS (CUDA compute capabilities "80;86;89;90", or HIP targets "gfx90a;gfx942")
+# build into llama.cpp/VERSION-cuda (or -hip) instead; the toolkit (nvcc, hipcc) must be installed.
 set -euo pipefail
 download_only=false
 if [ "${1:-}" = --download-only ]; then download_only=true; shift; fi
 version="${1:?usage: $0 [--download-only] VERSION [PYTHON]}"
 python="${2:-python3}"
 cache="${XGEN_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/xgen}"
+gpu="${XGEN_LLAMA_GPU:-}"
+gpu_archs="${XGEN_LLAMA_GPU_ARCHS:-}"
+case "$gpu" in
+  "") flavour=cpu ;;
+  cuda|hip) flavour="$gpu"
+    [ -n "$gpu_archs" ] || { echo "XGEN_LLAMA_GPU=$gpu needs XGEN_LLAMA_GPU_ARCHS (e.g. 80;86;89;90 or gfx90a;gfx942)" >&2; exit 2; } ;;
+  *) echo "XGEN_LLAMA_GPU must be cuda or hip, not '$gpu'" >&2; exit 2 ;;
+esac
 prefix="$cache/llama.cpp/$version"
+[ "$flavour" = cpu ] || prefix="$prefix-$flavour"
 sdist_dir="$cache/sdist"
 sdist="$sdist_dir/llama_cpp_python-$version.tar.gz"
 
-if ! $download_only && [ -f "$prefix/build.json" ] && "$prefix/bin/llama-server" --version >/dev/null 2>&1; then
+# A GPU build's llama-server needs the driver's libcuda/libamdhip64 to start: only its files are checked.
+runs() { if [ "$flavour" = cpu ]; then "$1/bin/llama-server" --version >/dev/null 2>&1; else [ -x "$1/bin/llama-server" ]; fi; }
+if ! $download_only && [ -f "$prefix/build.json" ] && runs "$prefix"; then
   echo "llama.cpp $version: cached in $prefix"
   exit 0
 fi
@@ -72,9 +87,15 @@ flags=(
   -DCMAKE_BUILD_WITH_INSTALL_RPATH=ON
   '-DCMAKE_INSTALL_RPATH=$ORIGIN:$ORIGIN/../lib'
 )
+case "$flavour" in
+  cuda) flags+=(-DGGML_CUDA=ON "-DCMAKE_CUDA_ARCHITECTURES=$gpu_archs") ;;
+  hip) flags+=(-DGGML_HIP=ON "-DAMDGPU_TARGETS=$gpu_archs" "-DGPU_TARGETS=$gpu_archs")
+    # llama.cpp's HIP build compiles with ROCm's clang (its docs: HIPCXX from hipconfig).
+    export HIPCXX="${HIPCXX:-$(hipconfig -l)/clang}" HIP_PATH="${HIP_PATH:-$(hipconfig -R)}" ;;
+esac
 jobs="${XGEN_BUILD_JOBS:-$(nproc)}"
 started=$(date +%s)
-echo "llama.cpp $version ($commit): building llama-server and the shared libraries with $jobs jobs (minutes)"
+echo "llama.cpp $version ($commit, $flavour${gpu_archs:+ for $gpu_archs}): building llama-server and the shared libraries with $jobs jobs (minutes)"
 cmake -S "$src" -B "$work/build" "${flags[@]}" >"$work/configure.log" 2>&1 || { cat "$work/configure.log" >&2; exit 1; }
 cmake --build "$work/build" --target llama-server -j "$jobs" >"$work/build.log" 2>&1 \
   || { tail -n 60 "$work/build.log" >&2; exit 1; }
@@ -84,10 +105,10 @@ mkdir -p "$out/bin" "$out/lib"
 cp -a "$work/build/bin/llama-server" "$out/bin/"
 cp -a "$work/build/bin/"lib*.so* "$out/lib/"
 cp -a "$src/LICENSE" "$out/LICENSE"
-"$out/bin/llama-server" --version >/dev/null 2>&1 || { echo "llama.cpp $version: the built llama-server does not run" >&2; exit 1; }
+runs "$out" || { echo "llama.cpp $version: the built llama-server does not run" >&2; exit 1; }
 seconds=$(( $(date +%s) - started ))
-printf '{"llama_cpp_python": "%s", "llama_cpp_commit": "%s", "flavour": "cpu", "build_seconds": %d}\n' \
-  "$version" "$commit" "$seconds" >"$out/build.json"
+printf '{"llama_cpp_python": "%s", "llama_cpp_commit": "%s", "flavour": "%s", "gpu_archs": "%s", "build_seconds": %d}\n' \
+  "$version" "$commit" "$flavour" "$gpu_archs" "$seconds" >"$out/build.json"
 rm -rf "$prefix"
 mv "$out" "$prefix"
 echo "llama.cpp $version: built in ${seconds} s into $prefix"

@@ -2,12 +2,15 @@
 
 Read-only; the GPUs page, its live fragments and the hardware API share it. Who holds a GPU
 is serving's knowledge: serving hands in a holder source at start-up (`set_holder_source`),
-so hardware, the bottom tier, never imports it.
+so hardware, the bottom tier, never imports it. So is which instances a user may see: a team lead
+below operator sees only the GPUs its teams' models hold (issue 26 #4), through the visibility
+source serving hands in (`set_visibility_source`); everyone else sees every GPU.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from django.urls import reverse
 
@@ -35,7 +38,7 @@ class GpuRow:
     one lookup Django's templates try first."""
     gpu: GpuDevice
     holder: Holder | None
-    cells: dict = field(init=False)
+    cells: dict[str, Any] = field(init=False)
 
     def __post_init__(self) -> None:
         g, h = self.gpu, self.holder
@@ -67,7 +70,7 @@ class NodeCard:
         return 100.0 * self.node.memory_used_mib / total if total else 0.0
 
     @property
-    def failed_attempts(self) -> list[dict]:
+    def failed_attempts(self) -> list[dict[str, Any]]:
         return [a for a in self.node.detection_report if not a.get("ok")]
 
 
@@ -100,9 +103,28 @@ def set_holder_source(source: HolderSource) -> None:
     _holder_source = source
 
 
-def _holders_by_node(node: Node | None = None) -> tuple[dict[int, dict[int, Holder]], int]:
-    """node id -> GPU index -> holder, and how many instances are active."""
+# The ids of the instances whose GPUs a user may see, or None: every GPU.
+VisibilitySource = Callable[[Any], set[int] | None]
+_visibility_source: VisibilitySource | None = None
+
+
+def set_visibility_source(source: VisibilitySource) -> None:
+    """Register who answers "which instances' GPUs may this user see" (None: all)."""
+    global _visibility_source
+    _visibility_source = source
+
+
+def visible_instances(user: Any) -> set[int] | None:
+    """The instances whose GPUs `user` may see on the GPU pages and API; None: every GPU."""
+    return _visibility_source(user) if _visibility_source is not None else None
+
+
+def _holders_by_node(node: Node | None = None, visible: set[int] | None = None
+                     ) -> tuple[dict[int, dict[int, Holder]], int]:
+    """node id -> GPU index -> holder, and how many instances are active (of `visible` only, if given)."""
     active = _holder_source(node) if _holder_source is not None else []
+    if visible is not None:
+        active = [a for a in active if a[2].id in visible]
     by_node: dict[int, dict[int, Holder]] = {}
     for node_id, gpus, holder in active:
         for index in gpus:
@@ -115,10 +137,13 @@ def gpu_holders(node: Node) -> dict[int, Holder]:
     return _holders_by_node(node)[0].get(node.pk, {})
 
 
-def node_card(node: Node, holders: dict[int, Holder] | None = None) -> NodeCard:
-    """One node's card: its GPUs with holders and free memory."""
-    holders = gpu_holders(node) if holders is None else holders
-    rows = [GpuRow(gpu=g, holder=holders.get(g.index)) for g in node.gpus.all()]
+def node_card(node: Node, holders: dict[int, Holder] | None = None, *, visible: set[int] | None = None) -> NodeCard:
+    """One node's card: its GPUs with holders and free memory (`visible`: only the GPUs these
+    instances hold)."""
+    if holders is None:
+        holders = _holders_by_node(node, visible)[0].get(node.pk, {})
+    rows = [GpuRow(gpu=g, holder=holders.get(g.index)) for g in node.gpus.all()
+            if visible is None or g.index in holders]
     return NodeCard(
         node=node,
         gpus=rows,
@@ -128,8 +153,12 @@ def node_card(node: Node, holders: dict[int, Holder] | None = None) -> NodeCard:
     )
 
 
-def overview() -> Overview:
-    """Every node's card and the count of active instances, in three queries whatever the cluster size."""
-    by_node, active = _holders_by_node()
-    cards = [node_card(node, by_node.get(node.pk, {})) for node in Node.objects.prefetch_related("gpus")]
+def overview(visible: set[int] | None = None) -> Overview:
+    """Every node's card and the count of active instances, in three queries whatever the cluster
+    size; `visible`: only the nodes and GPUs these instances hold (a team lead's view)."""
+    by_node, active = _holders_by_node(None, visible)
+    nodes = Node.objects.prefetch_related("gpus")
+    if visible is not None:
+        nodes = nodes.filter(pk__in=list(by_node))
+    cards = [node_card(node, by_node.get(node.pk, {}), visible=visible) for node in nodes]
     return Overview(cards=cards, instances_active=active)

@@ -1,13 +1,15 @@
+from typing import Any
+
 from django.http import HttpRequest
 from ninja import Router
 
-from hardware.allocation import GpuRow, NodeCard, overview
+from hardware.allocation import GpuRow, NodeCard, overview, visible_instances
 from hardware.schemas import NodeOut
 
 router = Router()
 
 
-def _gpu_out(row: GpuRow) -> dict:
+def _gpu_out(row: GpuRow) -> dict[str, Any]:
     gpu = row.gpu
     return {
         "index": gpu.index,
@@ -22,7 +24,7 @@ def _gpu_out(row: GpuRow) -> dict:
     }
 
 
-def _node_out(card: NodeCard) -> dict:
+def _node_out(card: NodeCard) -> dict[str, Any]:
     node = card.node
     return {
         "name": node.name,
@@ -35,6 +37,8 @@ def _node_out(card: NodeCard) -> dict:
 
 
 @router.get("/nodes", response=list[NodeOut], summary="Nodes and their GPUs")
-def list_nodes(request: HttpRequest) -> list[dict]:
-    """Every registered node with its status, available backends and GPUs (and who holds each)."""
-    return [_node_out(card) for card in overview().cards]
+def list_nodes(request: HttpRequest) -> list[dict[str, Any]]:
+    """Every registered node with its status, available backends and GPUs (and who holds each); a
+    team lead below operator gets only the nodes and GPUs its teams' models hold."""
+    user = getattr(request, "auth", None) or request.user
+    return [_node_out(card) for card in overview(visible_instances(user)).cards]

@@ -21,13 +21,14 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from hardware.detectors.torch_cuda import torch_wheel_build
 
 PROBE_TIMEOUT_S = 10.0
 
 # Checked in this order: ROCm builds of llama.cpp also print "ggml_cuda_init".
-_FLAVOUR_MARKERS: list[tuple[str, re.Pattern]] = [
+_FLAVOUR_MARKERS: list[tuple[str, re.Pattern[str]]] = [
     ("rocm", re.compile(r"\brocm\b|\bhip\b|libamdhip64|libhipblas|librocblas|libggml-hip|gfx\d", re.I)),
     ("cuda", re.compile(r"\bcuda\b|libcudart|libcublas|libggml-cuda|ggml_cuda", re.I)),
     ("vulkan", re.compile(r"vulkan", re.I)),
@@ -36,7 +37,7 @@ _VERSION_RE = re.compile(r"^version:\s*(\S+)(?:\s+\(([^()\n]+)\))?", re.M)
 
 
 def backend_row(name: str, *, available: bool, version: str = "", flavour: str = "", path: str = "",
-                reason: str = "") -> dict:
+                reason: str = "") -> dict[str, Any]:
     """One probe result in the shared shape."""
     return {"name": name, "available": available, "version": version, "flavour": flavour, "path": path,
             "reason": reason}
@@ -98,7 +99,7 @@ def llama_cpp_build(version: str | None = None) -> Path | None:
     return builds[-1] if builds else None
 
 
-def build_info(build: Path) -> dict:
+def build_info(build: Path) -> dict[str, Any]:
     """What deploy/build_llama_cpp.sh recorded about a build ({} when unreadable)."""
     try:
         return json.loads((build / "build.json").read_text())
@@ -148,7 +149,7 @@ def export_llama_cpp_lib_path() -> None:
     os.environ.update(llama_cpp_lib_env())
 
 
-def probe_llama_server(binary: str | None = None) -> dict:
+def probe_llama_server(binary: str | None = None) -> dict[str, Any]:
     """llama-server (XGEN_LLAMA_SERVER_BIN, else PATH, else the cached build): version from
     `--version`; flavour from its output, linked libs, or the backend libraries beside it
     (builds that load ggml backends at run time)."""
@@ -185,7 +186,7 @@ def _installed(package: str) -> bool:
     return True
 
 
-def probe_vllm() -> dict:
+def probe_vllm() -> dict[str, Any]:
     """vLLM from package metadata; flavour from its own version suffix, else from torch's build."""
     try:
         dist = importlib.metadata.distribution("vllm")
@@ -208,7 +209,7 @@ def probe_vllm() -> dict:
     return backend_row("vllm", available=True, version=version, flavour=flavour, path=path)
 
 
-def probe_llama_cpp_python() -> dict:
+def probe_llama_cpp_python() -> dict[str, Any]:
     """llama-cpp-python: importable, its version, and the ggml backend libraries it ships."""
     spec = importlib.util.find_spec("llama_cpp")
     if spec is None or not spec.submodule_search_locations:
@@ -242,7 +243,7 @@ PROBES = {
 }
 
 
-def probe_backends() -> list[dict]:
+def probe_backends() -> list[dict[str, Any]]:
     """Every backend's availability on this node (see the module docstring for the shape)."""
     rows = []
     for name, probe in PROBES.items():

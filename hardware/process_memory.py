@@ -75,7 +75,8 @@ def parse_amdsmi_processes(processes: list[Any]) -> dict[int, int]:
         usage = proc.get("memory_usage") or {}
         vram = usage.get("vram_mem") if isinstance(usage, dict) else None
         if not isinstance(vram, int):
-            vram = proc.get("mem") if isinstance(proc.get("mem"), int) else 0
+            mem = proc.get("mem")
+            vram = mem if isinstance(mem, int) else 0
         out[int(proc["pid"])] = out.get(int(proc["pid"]), 0) + round(vram / MIB)
     return out
 

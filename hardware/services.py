@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
@@ -25,7 +26,7 @@ LOCAL_AGENT_RUNS: dict[str, str] = {}
 @dataclass
 class InventoryResult:
     report: DetectionReport
-    backends: list[dict] | None  # None: keep what is stored (refreshes do not re-probe)
+    backends: list[dict[str, Any]] | None  # None: keep what is stored (refreshes do not re-probe)
 
 
 class NodeHeld(RuntimeError):

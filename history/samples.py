@@ -108,7 +108,7 @@ class ModelSlot:
 
 class ModelCounter:
     """This process's per-model traffic per 10 s slot since the last write (no I/O: the proxy's
-    request path calls `add`; serving.usage's flush takes and writes it)."""
+    request path calls `add`; serving.proxy.usage's flush takes and writes it)."""
 
     def __init__(self) -> None:
         self._slots: dict[tuple[int, str], ModelSlot] = {}

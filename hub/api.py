@@ -8,8 +8,13 @@ from ninja import Query, Router, Schema, Status
 from accounts.audit import record_audit
 from accounts.auth import admin_auth, operator_auth, require_role
 from accounts.errors import ApiError
-from hub import node_cache, services
-from hub.events import publish_new_job, publish_new_upload
+from hub import index, node_cache, writes
+from hub.events import publish_job_sync, publish_new_job
+from hub.imports import HubInputError
+from hub.jobs import download as download_jobs
+from hub.jobs import request_cancel
+from hub.jobs import upload as upload_jobs
+from hub.locks import PrefixBusy
 from hub.models import CacheJob, DownloadJob, ModelArtifact, UploadJob
 from hub.paths import FORMAT_ROOTS, InvalidPrefix, validate_relative_path
 from hub.schemas import (
@@ -42,7 +47,7 @@ def _store_failed(exc: StoreError) -> ApiError:
 
 
 def _conflict(exc: Exception) -> ApiError:
-    code = ("name_collision" if isinstance(exc, services.NameCollision) else
+    code = ("name_collision" if isinstance(exc, download_jobs.NameCollision) else
             "model_exists" if isinstance(exc, ModelExists) else "model_busy")
     return ApiError(409, str(exc), code=code)
 
@@ -88,7 +93,7 @@ def list_models(request: HttpRequest, query: Query[ModelQuery]):
 def refresh(request: HttpRequest):
     require_role(request, "operator")
     try:
-        return {"models": services.refresh_index()}
+        return {"models": index.refresh_index()}
     except StoreError as exc:
         raise _store_failed(exc) from None
 
@@ -97,11 +102,11 @@ def refresh(request: HttpRequest):
 def delete_model(request: HttpRequest, prefix: str):
     require_role(request, "admin")
     try:
-        removed = services.delete_model(prefix=prefix)
+        removed = writes.delete_model(prefix=prefix)
     except InvalidPrefix as exc:
         record_audit(action="model_delete", target=prefix, request=request, outcome="refused", detail={"reason": str(exc)})
         raise _bad_input(exc) from None
-    except services.PrefixBusy as exc:
+    except PrefixBusy as exc:
         record_audit(action="model_delete", target=prefix, request=request, outcome="refused", detail={"reason": str(exc)})
         raise _conflict(exc) from None
     except StoreError as exc:
@@ -113,7 +118,7 @@ def delete_model(request: HttpRequest, prefix: str):
 
 def _upload_out(job: UploadJob) -> dict:
     return {
-        "id": job.pk, "status": job.status, "bytes_done": job.bytes_done, "bytes_total": job.bytes_total,
+        "id": job.number, "status": job.status, "bytes_done": job.bytes_done, "bytes_total": job.bytes_total,
         "error": job.error or None, "prefix": job.target_prefix, "format": job.format, "local_path": job.local_path,
         "node": job.node, "replace": job.replace, "created_by": job.created_by.username if job.created_by else None,
         "created_at": job.created_at, "started_at": job.started_at, "finished_at": job.finished_at,
@@ -129,20 +134,20 @@ def upload(request: HttpRequest, body: UploadIn):
     user = require_role(request, "operator")
     target = f"{body.format}/{body.name} from {body.local_path}"
     try:
-        job = services.create_upload_job(local_path=body.local_path, format=body.format, name=body.name,
+        job = upload_jobs.create_upload_job(local_path=body.local_path, format=body.format, name=body.name,
                                          node=body.node, replace=body.replace, user=user)
-    except (InvalidPrefix, services.HubInputError) as exc:
+    except (InvalidPrefix, HubInputError) as exc:
         record_audit(action="upload", target=target, request=request, outcome="refused", detail={"reason": str(exc)})
         raise _bad_input(exc) from None
-    except (ModelExists, services.PrefixBusy) as exc:
+    except (ModelExists, PrefixBusy) as exc:
         record_audit(action="upload", target=target, request=request, outcome="refused", detail={"reason": str(exc)})
         raise _conflict(exc) from None
     except StoreError as exc:
         record_audit(action="upload", target=target, request=request, outcome="failed", detail={"reason": str(exc)})
         raise _store_failed(exc) from None
     record_audit(action="upload", target=target, request=request,
-                 detail={"job": job.pk, "node": job.node, "prefix": job.target_prefix})
-    publish_new_upload(job)
+                 detail={"job": job.number, "node": job.node, "prefix": job.target_prefix})
+    publish_new_job(job)
     return Status(202, _upload_out(job))
 
 
@@ -153,20 +158,21 @@ def list_uploads(request: HttpRequest):
 
 @storage_router.get("/uploads/{job_id}", response=UploadJobOut, summary="One upload job")
 def get_upload(request: HttpRequest, job_id: int):
-    return _upload_out(get_object_or_404(UploadJob.objects.select_related("created_by"), pk=job_id))
+    return _upload_out(get_object_or_404(UploadJob.objects.select_related("created_by"), number=job_id))
 
 
 @storage_router.post("/uploads/{job_id}/cancel", response=UploadJobOut, auth=operator_auth,
                      summary="Cancel an upload (operator+)")
 def cancel_upload(request: HttpRequest, job_id: int):
     require_role(request, "operator")
-    job = get_object_or_404(UploadJob, pk=job_id)
-    return _upload_out(services.request_upload_cancel(job=job))
+    job = upload_jobs.request_upload_cancel(job=get_object_or_404(UploadJob, number=job_id))
+    publish_job_sync(job)
+    return _upload_out(job)
 
 
 def _job_out(job: DownloadJob) -> dict:
     return {
-        "id": job.pk, "repo_id": job.repo_id, "revision": job.revision, "format": job.format, "status": job.status,
+        "id": job.number, "repo_id": job.repo_id, "revision": job.revision, "format": job.format, "status": job.status,
         "bytes_done": job.bytes_done, "bytes_total": job.bytes_total, "error": job.error or None,
         "target_prefix": job.target_prefix, "allow_patterns": job.allow_patterns or [], "files": job.files or [],
         "node": job.node, "replace": job.replace, "created_at": job.created_at, "finished_at": job.finished_at,
@@ -181,13 +187,13 @@ def start_download(request: HttpRequest, body: DownloadIn):
     upload, or a repo id that makes the same name), 409 `model_busy` while another job writes it."""
     user = require_role(request, "operator")
     try:
-        job = services.create_download_job(repo_id=body.repo_id, revision=body.revision, format=body.format,
+        job = download_jobs.create_download_job(repo_id=body.repo_id, revision=body.revision, format=body.format,
                                            allow_patterns=body.allow_patterns, replace=body.replace, user=user)
-    except (InvalidPrefix, services.HubInputError) as exc:
+    except (InvalidPrefix, HubInputError) as exc:
         record_audit(action="download", target=body.repo_id, request=request, outcome="refused",
                      detail={"reason": str(exc)})
         raise _bad_input(exc) from None
-    except (ModelExists, services.PrefixBusy) as exc:
+    except (ModelExists, PrefixBusy) as exc:
         record_audit(action="download", target=body.repo_id, request=request, outcome="refused",
                      detail={"reason": str(exc)})
         raise _conflict(exc) from None
@@ -196,7 +202,7 @@ def start_download(request: HttpRequest, body: DownloadIn):
                      detail={"reason": str(exc)})
         raise _store_failed(exc) from None
     record_audit(action="download", target=body.repo_id, request=request,
-                 detail={"job": job.pk, "revision": job.revision, "format": job.format})
+                 detail={"job": job.number, "revision": job.revision, "format": job.format})
     publish_new_job(job)
     return Status(202, _job_out(job))
 
@@ -208,15 +214,16 @@ def list_downloads(request: HttpRequest):
 
 @download_router.get("/{job_id}", response=DownloadJobOut, summary="One download job")
 def get_download(request: HttpRequest, job_id: int):
-    return _job_out(get_object_or_404(DownloadJob, pk=job_id))
+    return _job_out(get_object_or_404(DownloadJob, number=job_id))
 
 
 @download_router.post("/{job_id}/cancel", response=DownloadJobOut, auth=operator_auth,
                       summary="Cancel a download (operator+)")
 def cancel_download(request: HttpRequest, job_id: int):
     require_role(request, "operator")
-    job = get_object_or_404(DownloadJob, pk=job_id)
-    return _job_out(services.request_cancel(job=job))
+    job = download_jobs.request_cancel(job=get_object_or_404(DownloadJob, number=job_id))
+    publish_job_sync(job)
+    return _job_out(job)
 
 
 # --------------------------------------------------------------------------- node caches
@@ -234,7 +241,7 @@ def _node_or_404(name: str):
 
 
 def _cache_job_out(job: CacheJob) -> dict:
-    return {"id": job.pk, "node": job.node, "prefix": job.prefix, "action": job.action, "status": job.status,
+    return {"id": job.number, "node": job.node, "prefix": job.target_prefix, "action": job.action, "status": job.status,
             "result": job.result or {}, "error": job.error or None, "created_at": job.created_at,
             "finished_at": job.finished_at}
 
@@ -248,13 +255,15 @@ def _cache_job(request: HttpRequest, name: str, body: CacheActionIn, action: str
     require_role(request, "operator")
     node = _node_or_404(name)
     try:
-        return node_cache.request_cache_job(node=node, prefix=body.prefix, action=action, user=request.user)
+        job = node_cache.request_cache_job(node=node, prefix=body.prefix, action=action, user=request.user)
     except InvalidPrefix as exc:
         raise _bad_input(exc) from None
     except LookupError as exc:
         raise ApiError(404, str(exc), code="not_found") from None
     except node_cache.CacheInUse as exc:
         raise ApiError(409, str(exc), code="model_in_use") from None
+    publish_new_job(job)
+    return job
 
 
 @cache_router.post("/{name}/cache/evict", response={202: CacheJobOut}, auth=operator_auth,
@@ -271,4 +280,13 @@ def node_cache_verify(request: HttpRequest, name: str, body: CacheActionIn):
 
 @cache_router.get("/{name}/cache/jobs/{job_id}", response=CacheJobOut, summary="One evict/verify job and its result")
 def node_cache_job(request: HttpRequest, name: str, job_id: int):
-    return _cache_job_out(get_object_or_404(CacheJob, pk=job_id, node=name))
+    return _cache_job_out(get_object_or_404(CacheJob, number=job_id, node=name))
+
+
+@cache_router.post("/{name}/cache/jobs/{job_id}/cancel", response=CacheJobOut, auth=operator_auth,
+                   summary="Cancel an evict/verify job (operator+): a pending one at once, a verify before its next file")
+def cancel_node_cache_job(request: HttpRequest, name: str, job_id: int):
+    require_role(request, "operator")
+    job = request_cancel(get_object_or_404(CacheJob, number=job_id, node=name))
+    publish_job_sync(job)
+    return _cache_job_out(job)

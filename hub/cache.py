@@ -189,9 +189,7 @@ def _write_local_manifest(local_dir: Path, manifest: Manifest) -> None:
     except OSError as exc:
         tmp.unlink(missing_ok=True)
         if exc.errno == errno.ENOSPC:  # the disk filled after the last file: the model is not cached
-            raise CacheFull(f"the cache disk filled up while copying {manifest.prefix}: "
-                            f"{_free_bytes(local_dir) / 2**20:.1f} MiB free in {local_dir.parent}; "
-                            "partial files were removed") from exc
+            raise _disk_full(local_dir, manifest.prefix) from exc
         raise
 
 
@@ -287,6 +285,161 @@ def _cache_entry(node_name: str, prefix: str, **fields) -> None:
     CacheEntry.objects.update_or_create(node=node, prefix=prefix, defaults={**fields, "updated_at": now})
 
 
+@dataclass
+class _Sync:
+    """One sync_to_cache call: the model, where it goes, and whom it tells (progress, cache row)."""
+
+    prefix: str
+    node_name: str
+    store: ModelStore
+    local_dir: Path
+    verify: bool
+    progress: Progress | None
+    cancel: threading.Event | None
+    stats: SyncStats = field(default_factory=SyncStats)
+    done: int = 0  # bytes of the model on disk and checked, while it copies
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def cancelled(self) -> bool:
+        return self.cancel is not None and self.cancel.is_set()
+
+    def report(self, done: int, total: int) -> None:
+        if self.progress:
+            self.progress(done, total)
+
+    def add(self, n: int, total: int) -> None:
+        """Bytes a fetch worker wrote (any thread)."""
+        with self._lock:
+            self.done += n
+            self.report(self.done, total)
+
+    def record(self, **fields) -> None:
+        _safe_record(self.node_name, self.prefix, **fields)
+
+
+def _disk_full(local_dir: Path, prefix: str) -> CacheFull:
+    return CacheFull(f"the cache disk filled up while copying {prefix}: {_free_bytes(local_dir) / 2**20:.1f} MiB "
+                     f"free in {local_dir.parent}; partial files were removed")
+
+
+def _store_manifest(sync: _Sync) -> Manifest | None:
+    """The store's manifest of the model, checked (it names this model, no path leaves its folder).
+    None when the store is down but a copy verified earlier is untouched: that copy serves as is."""
+    try:
+        manifest = sync.store.read_manifest(sync.prefix)
+    except StoreError:
+        offline = _offline_copy(sync.local_dir, sync.prefix)
+        if offline is None:
+            raise
+        log.warning("store %s unreachable; using the verified local copy of %s", sync.store.describe(), sync.prefix)
+        sync.report(offline, offline)
+        return None
+    if manifest is None:
+        raise ModelNotInStore(f"{sync.prefix} is not a complete model in the store ({sync.store.describe()}).")
+    if manifest.prefix != sync.prefix:
+        raise CacheError(f"the manifest of {sync.prefix} names {manifest.prefix}")
+    for f in manifest.files:  # a manifest must not point outside the model folder
+        safe_join(sync.local_dir, f.path)
+    return manifest
+
+
+def _already_cached(sync: _Sync, manifest: Manifest, local: dict | None) -> bool:
+    """The local copy matches the manifest (not asked to verify): reported READY, nothing fetched."""
+    if sync.verify or not _manifest_matches_local(manifest, local, sync.local_dir):
+        return False
+    total = manifest.size_bytes
+    sync.stats.files_kept = len(manifest.files)
+    sync.report(total, total)
+    sync.record(state="READY", bytes_done=total, bytes_total=total, error="")
+    return True
+
+
+def _prepare_folder(sync: _Sync, manifest: Manifest, local: dict | None) -> tuple[list[ManifestFile], list[ManifestFile]]:
+    """Under the model lock: the folder stops looking complete (its local manifest goes first),
+    files the manifest does not list go, and what to fetch and keep is planned."""
+    sync.local_dir.mkdir(parents=True, exist_ok=True)
+    (sync.local_dir / LOCAL_MANIFEST).unlink(missing_ok=True)
+    _remove_strays(sync.local_dir, manifest)
+    return _plan(manifest, sync.local_dir, None if sync.verify else local)
+
+
+def _ensure_room(sync: _Sync, fetch: list[ManifestFile], total: int) -> None:
+    """XGEN_CACHE_MAX_GB (unused models evicted) and the disk's free space, before a byte moves."""
+    need = sum(f.size for f in fetch)
+    try:
+        if _room_keeper is not None and fetch:
+            sync.stats.evicted = run_db_sync(_room_keeper, need, node_name=sync.node_name, keep=sync.prefix)
+        _check_room(sync.local_dir, sync.prefix, need)
+    except CacheFull as exc:
+        sync.record(state="FAILED", bytes_done=0, bytes_total=total, error=str(exc))
+        raise
+
+
+def _watch_fetches(sync: _Sync, futures: list, stop: threading.Event, total: int) -> bool:
+    """Wait for the fetch workers, writing progress to the cache row each second; on the first
+    error or a cancel every worker stops at its next chunk. Returns whether it was cancelled."""
+    pending = set(futures)
+    last_record = time.monotonic()
+    while pending:
+        finished, pending = wait(pending, timeout=0.5, return_when=FIRST_EXCEPTION)
+        if any(fut.exception() for fut in finished) or sync.cancelled():
+            break
+        if time.monotonic() - last_record > 1.0:
+            sync.record(state="SYNCING", bytes_done=sync.done, bytes_total=total)
+            last_record = time.monotonic()
+    cancelled = sync.cancelled()
+    stop.set()
+    wait(futures)
+    return cancelled
+
+
+def _fetch_all(sync: _Sync, fetch: list[ManifestFile], total: int) -> None:
+    """Fetch the files that differ, several at once; SyncCancelled, CacheFull for a full disk, or
+    the first worker's error."""
+    stop = threading.Event()
+
+    def on_bytes(n: int) -> None:
+        if sync.cancelled():
+            stop.set()  # every worker stops at its next chunk
+        sync.add(n, total)
+
+    workers = max(1, min(settings.CACHE_SYNC_WORKERS, len(fetch)))
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="cache-sync") as pool:
+        futures = [pool.submit(_fetch_file, sync.store, sync.prefix, f, sync.local_dir, on_bytes, stop,
+                               hash_bytes=sync.verify) for f in fetch]
+        cancelled = _watch_fetches(sync, futures, stop, total)
+    if cancelled:
+        raise SyncCancelled(f"the copy of {sync.prefix} was cancelled")
+    errors = [failure for fut in futures if (failure := fut.exception()) and not isinstance(failure, _Cancelled)]
+    if errors:
+        if isinstance(errors[0], OSError) and errors[0].errno == errno.ENOSPC:
+            raise _disk_full(sync.local_dir, sync.prefix) from errors[0]
+        raise errors[0]
+    sync.stats.files_fetched = len(fetch)
+    sync.stats.bytes_fetched = sum(f.size for f in fetch)
+
+
+def _copy(sync: _Sync, manifest: Manifest, fetch: list[ManifestFile], keep: list[ManifestFile]) -> None:
+    """Fetch what differs and write the local manifest last. The cache row says SYNCING meanwhile,
+    then MISSING when cancelled or FAILED (with the bytes done) when it failed."""
+    total = manifest.size_bytes
+    sync.stats.files_kept = len(keep)
+    sync.done = sum(f.size for f in keep)
+    sync.record(state="SYNCING", bytes_done=sync.done, bytes_total=total, error="")
+    sync.report(sync.done, total)
+    try:
+        if fetch:
+            _fetch_all(sync, fetch, total)
+        _write_local_manifest(sync.local_dir, manifest)
+    except SyncCancelled as exc:
+        sync.record(state="MISSING", bytes_done=0, bytes_total=total, error=str(exc))
+        raise
+    except BaseException as exc:
+        sync.record(state="FAILED", bytes_done=sync.done, bytes_total=total,
+                    error=f"{exc.__class__.__name__}: {exc}"[:2000])
+        raise
+
+
 def sync_to_cache(
     prefix: str,
     *,
@@ -307,121 +460,30 @@ def sync_to_cache(
     SyncCancelled (files already verified stay, for the next sync to keep).
     """
     prefix = validate_prefix(prefix)
-    store = store or get_store()
-    local_dir = cache_dir_for(prefix)
-    try:
-        manifest = store.read_manifest(prefix)
-    except StoreError:
-        # The store is down: a copy verified earlier and untouched since is still good to load.
-        offline = _offline_copy(local_dir, prefix)
-        if offline is None:
-            raise
-        log.warning("store %s unreachable; using the verified local copy of %s", store.describe(), prefix)
-        if progress:
-            progress(offline, offline)
-        return local_dir
+    sync = _Sync(prefix=prefix, node_name=node_name, store=store or get_store(), local_dir=cache_dir_for(prefix),
+                 verify=verify, progress=progress, cancel=cancel)
+    manifest = _store_manifest(sync)
     if manifest is None:
-        raise ModelNotInStore(f"{prefix} is not a complete model in the store ({store.describe()}).")
-    if manifest.prefix != prefix:
-        raise CacheError(f"the manifest of {prefix} names {manifest.prefix}")
-    for f in manifest.files:  # a manifest must not point outside the model folder
-        safe_join(local_dir, f.path)
-    total = manifest.size_bytes
-    stats = SyncStats()
-    last_sync_stats[prefix] = stats
-
-    if not verify and _manifest_matches_local(manifest, read_local_manifest(local_dir), local_dir):
-        stats.files_kept = len(manifest.files)
-        if progress:
-            progress(total, total)
-        _safe_record(node_name, prefix, state="READY", bytes_done=total, bytes_total=total, error="")
-        return local_dir
-
+        return sync.local_dir  # the store is down; the verified copy serves
+    last_sync_stats[prefix] = sync.stats
+    if _already_cached(sync, manifest, read_local_manifest(sync.local_dir)):
+        return sync.local_dir
     with model_lock(prefix):
-        if cancel is not None and cancel.is_set():
+        if sync.cancelled():
             raise SyncCancelled(f"the copy of {prefix} was cancelled")
         # Another thread or process may have finished the same sync while we waited.
-        local = read_local_manifest(local_dir)
-        if not verify and _manifest_matches_local(manifest, local, local_dir):
-            stats.files_kept = len(manifest.files)
-            if progress:
-                progress(total, total)
-            _safe_record(node_name, prefix, state="READY", bytes_done=total, bytes_total=total, error="")
-            return local_dir
-        local_dir.mkdir(parents=True, exist_ok=True)
-        # From here until the end the folder must not look complete.
-        (local_dir / LOCAL_MANIFEST).unlink(missing_ok=True)
-        _remove_strays(local_dir, manifest)
-        if verify:
-            local = None
-        fetch, keep = _plan(manifest, local_dir, local)
-        try:
-            if _room_keeper is not None and fetch:
-                stats.evicted = run_db_sync(_room_keeper, sum(f.size for f in fetch), node_name=node_name, keep=prefix)
-            _check_room(local_dir, prefix, sum(f.size for f in fetch))
-        except CacheFull as exc:
-            _safe_record(node_name, prefix, state="FAILED", bytes_done=0, bytes_total=total, error=str(exc))
-            raise
-        stats.files_kept = len(keep)
-        done = sum(f.size for f in keep)
-        lock = threading.Lock()
-        stop = threading.Event()
-        _safe_record(node_name, prefix, state="SYNCING", bytes_done=done, bytes_total=total, error="")
-        if progress:
-            progress(done, total)
-
-        def on_bytes(n: int) -> None:
-            nonlocal done
-            if cancel is not None and cancel.is_set():
-                stop.set()  # every worker stops at its next chunk
-            with lock:
-                done += n
-                if progress:
-                    progress(done, total)
-
-        try:
-            if fetch:
-                workers = max(1, min(settings.CACHE_SYNC_WORKERS, len(fetch)))
-                with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="cache-sync") as pool:
-                    futures = [pool.submit(_fetch_file, store, prefix, f, local_dir, on_bytes, stop, hash_bytes=verify)
-                               for f in fetch]
-                    pending = set(futures)
-                    last_record = time.monotonic()
-                    while pending:
-                        finished, pending = wait(pending, timeout=0.5, return_when=FIRST_EXCEPTION)
-                        if any(fut.exception() for fut in finished) or (cancel is not None and cancel.is_set()):
-                            stop.set()
-                            break
-                        if time.monotonic() - last_record > 1.0:
-                            _safe_record(node_name, prefix, state="SYNCING", bytes_done=done, bytes_total=total)
-                            last_record = time.monotonic()
-                    cancelled = cancel is not None and cancel.is_set()
-                    stop.set()
-                    wait(futures)
-                if cancelled:
-                    raise SyncCancelled(f"the copy of {prefix} was cancelled")
-                errors = [fut.exception() for fut in futures if fut.exception() and not isinstance(fut.exception(), _Cancelled)]
-                if errors:
-                    if isinstance(errors[0], OSError) and errors[0].errno == errno.ENOSPC:
-                        raise CacheFull(f"the cache disk filled up while copying {prefix}: "
-                                        f"{_free_bytes(local_dir) / 2**20:.1f} MiB free in {local_dir.parent}; "
-                                        "partial files were removed") from errors[0]
-                    raise errors[0]
-                stats.files_fetched = len(fetch)
-                stats.bytes_fetched = sum(f.size for f in fetch)
-            _write_local_manifest(local_dir, manifest)
-        except SyncCancelled as exc:
-            _safe_record(node_name, prefix, state="MISSING", bytes_done=0, bytes_total=total, error=str(exc))
-            raise
-        except BaseException as exc:
-            _safe_record(node_name, prefix, state="FAILED", bytes_done=done, bytes_total=total,
-                         error=f"{exc.__class__.__name__}: {exc}"[:2000])
-            raise
-    _safe_record(node_name, prefix, state="READY", bytes_done=total, bytes_total=total, error="",
-                 manifest={"files": len(manifest.files), "size_bytes": total, "created_at": manifest.created_at})
-    log.info("cache %s: fetched %d files (%d bytes), kept %d", prefix, stats.files_fetched, stats.bytes_fetched,
-             stats.files_kept)
-    return local_dir
+        local = read_local_manifest(sync.local_dir)
+        if _already_cached(sync, manifest, local):
+            return sync.local_dir
+        fetch, keep = _prepare_folder(sync, manifest, local)
+        _ensure_room(sync, fetch, manifest.size_bytes)
+        _copy(sync, manifest, fetch, keep)
+    total = manifest.size_bytes
+    sync.record(state="READY", bytes_done=total, bytes_total=total, error="",
+                manifest={"files": len(manifest.files), "size_bytes": total, "created_at": manifest.created_at})
+    log.info("cache %s: fetched %d files (%d bytes), kept %d", prefix, sync.stats.files_fetched,
+             sync.stats.bytes_fetched, sync.stats.files_kept)
+    return sync.local_dir
 
 
 def _safe_record(node_name: str, prefix: str, **fields) -> None:

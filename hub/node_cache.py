@@ -19,13 +19,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from django.conf import settings
-from django.db import transaction
 from django.utils import timezone
 
-from hub import cache
+from hub import cache, jobs
 from hub.cache import CacheFull, _sha256_of, cache_dir_for, model_lock, read_local_manifest
 from hub.layout import CACHE_MANIFEST_NAME
-from hub.models import CacheDisk, CacheEntry, CacheJob, CacheJobStatus, CacheState
+from hub.models import CACHE_JOB_ACTIVE, CacheDisk, CacheEntry, CacheJob, CacheJobStatus, CacheState
 from hub.paths import FORMAT_ROOTS, safe_join, validate_prefix
 from hub.store import ModelStore, StoreError, get_store
 
@@ -185,9 +184,12 @@ def sweep_evictions(*, node_name: str) -> int:
     return len(left)
 
 
-def verify(prefix: str, *, node_name: str, store: ModelStore | None = None) -> list[str]:
+def verify(prefix: str, *, node_name: str, store: ModelStore | None = None,
+           step: Callable[[int, int], None] | None = None) -> list[str]:
     """Re-check every cached file's size and sha256 against the store manifest; returns what
-    differs (empty: the copy is exact) and records it on the cache row."""
+    differs (empty: the copy is exact) and records it on the cache row. `step(bytes checked,
+    bytes in all)` is called before each file (a cache job's progress; it may raise to stop the
+    check, which then records nothing)."""
     prefix = validate_prefix(prefix)
     local_dir = cache_dir_for(prefix)
     manifest = (store or get_store()).read_manifest(prefix)
@@ -199,7 +201,11 @@ def verify(prefix: str, *, node_name: str, store: ModelStore | None = None) -> l
     else:
         with model_lock(prefix):
             wanted = set()
+            total, done = sum(f.size for f in manifest.files), 0
             for f in manifest.files:
+                if step is not None:
+                    step(done, total)
+                done += f.size
                 wanted.add(f.path)
                 path = safe_join(local_dir, f.path)
                 try:
@@ -273,8 +279,8 @@ def overview(node) -> dict:
             "last_used_at": e.last_used_at, "verified": e.verified, "verified_at": e.verified_at,
             "verify_problems": list(e.verify_problems or []), "error": e.error,
             "used_by": [{"id": u.id, "model_name": u.model_name, "state": u.state} for u in users.get(e.prefix, [])],
-            "pending": list(CacheJob.objects.filter(node=node.name, prefix=e.prefix, status__in=(
-                CacheJobStatus.PENDING, CacheJobStatus.RUNNING)).values_list("action", flat=True)),
+            "pending": list(CacheJob.objects.filter(node=node.name, target_prefix=e.prefix, status__in=CACHE_JOB_ACTIVE)
+                            .values_list("action", flat=True)),
             "last_job_error": _last_job_error(node.name, e.prefix),
         })
     return {"node": node.name, "used_bytes": disk.used_bytes if disk else 0, "free_bytes": disk.free_bytes if disk else 0,
@@ -284,7 +290,7 @@ def overview(node) -> dict:
 
 def _last_job_error(node_name: str, prefix: str) -> str:
     """Why the last evict/verify of this copy failed on the agent ('' when it did not)."""
-    last = CacheJob.objects.filter(node=node_name, prefix=prefix, finished_at__isnull=False).order_by(
+    last = CacheJob.objects.filter(node=node_name, target_prefix=prefix, finished_at__isnull=False).order_by(
         "-finished_at", "-pk").first()
     return f"{last.action} failed: {last.error}" if last and last.status == CacheJobStatus.FAILED else ""
 
@@ -300,35 +306,45 @@ def request_cache_job(*, node, prefix: str, action: str, user=None) -> CacheJob:
         users = users_of(node.name).get(prefix)
         if users:
             raise CacheInUse(f"{prefix} is used by {', '.join(f'#{u.id} {u.model_name}' for u in users)}: unload it first")
-    return CacheJob.objects.create(node=node.name, prefix=prefix, action=action, created_by=user)
+    return CacheJob.objects.create(node=node.name, target_prefix=prefix, action=action, created_by=user)
 
 
 def claim_next_cache_job(*, node_name: str) -> CacheJob | None:
-    """Take this node's oldest pending cache job (a conditional UPDATE: one agent, once)."""
-    for job in CacheJob.objects.filter(node=node_name, status=CacheJobStatus.PENDING).order_by("created_at", "pk")[:5]:
-        with transaction.atomic():
-            if CacheJob.objects.filter(pk=job.pk, status=CacheJobStatus.PENDING).update(status=CacheJobStatus.RUNNING):
-                job.status = CacheJobStatus.RUNNING
-                return job
-    return None
+    """Take this node's oldest pending cache job (`hub.jobs.claim_next`: one agent, once)."""
+    return jobs.claim_next(CacheJob, node_name=node_name)
+
+
+class CacheJobCancelled(Exception):
+    """A user cancelled the job while it ran (`hub.jobs.request_cancel`)."""
 
 
 def run_cache_job(job_id: int, *, store: ModelStore | None = None) -> CacheJob:
-    """Do a claimed job on this node and record its outcome."""
+    """Do a claimed job on this node and record its outcome. A cancel asked after the claim stops
+    it before it starts, and a Verify before its next file (its progress, in bytes checked, is on
+    the job row for the live row: HubWorker publishes it)."""
     job = CacheJob.objects.get(pk=job_id)
     result: dict = {}
+
+    def step(done: int, total: int) -> None:
+        if CacheJob.objects.filter(pk=job.pk, cancel_requested=True).exists():
+            raise CacheJobCancelled()
+        jobs.update(CacheJob, job.pk, bytes_done=done, bytes_total=total)
+
     try:
+        if job.cancel_requested:
+            raise CacheJobCancelled()
         if job.action == "evict":
             result = {"freed_bytes": evict(job.prefix, node_name=job.node)}
         else:
-            problems = verify(job.prefix, node_name=job.node, store=store)
+            problems = verify(job.prefix, node_name=job.node, store=store, step=step)
             result = {"ok": not problems, "problems": problems}
         status, error = CacheJobStatus.COMPLETED, ""
+    except CacheJobCancelled:
+        status, error = CacheJobStatus.CANCELLED, "Cancelled by a user."
     except (CacheInUse, StoreError, OSError) as exc:
         status, error = CacheJobStatus.FAILED, str(exc)
-    CacheJob.objects.filter(pk=job.pk).update(status=status, result=result, error=error, finished_at=timezone.now())
+    job = jobs.finish(CacheJob, job.pk, status=status, error=error, result=result)
     report_disk(node_name=job.node)
-    job.refresh_from_db()
     return job
 
 
@@ -340,9 +356,9 @@ def evict_everywhere(prefix: str) -> tuple[list[str], list[str]]:
         if users_of(entry.node.name).get(prefix):
             kept.append(entry.node.name)
             continue
-        if not CacheJob.objects.filter(node=entry.node.name, prefix=prefix, action="evict",
-                                       status__in=(CacheJobStatus.PENDING, CacheJobStatus.RUNNING)).exists():
-            CacheJob.objects.create(node=entry.node.name, prefix=prefix, action="evict")
+        if not CacheJob.objects.filter(node=entry.node.name, target_prefix=prefix, action="evict",
+                                       status__in=CACHE_JOB_ACTIVE).exists():
+            CacheJob.objects.create(node=entry.node.name, target_prefix=prefix, action="evict")
         asked.append(entry.node.name)
     return asked, kept
 
@@ -351,7 +367,7 @@ cache.set_room_keeper(make_room)  # sync_to_cache asks before it fetches (hub.ap
 
 
 __all__ = [
-    "CacheInUse", "CacheUser", "claim_next_cache_job", "disk_figures", "evict", "evict_everywhere",
+    "CacheInUse", "CacheJobCancelled", "CacheUser", "claim_next_cache_job", "disk_figures", "evict", "evict_everywhere",
     "local_models", "make_room", "overview", "report_disk", "request_cache_job", "run_cache_job",
     "set_users_source", "sweep_evictions", "users_of", "verify",
 ]

@@ -4,8 +4,11 @@ from __future__ import annotations
 import re
 from pathlib import Path, PurePosixPath
 
-from hub.layout import FORMATS as FORMAT_ROOTS
-from hub.layout import MANIFEST_NAME  # noqa: F401 (re-exported: the store's manifest, named in hub.layout)
+# MANIFEST_NAME is re-exported: the store's manifest, named in hub.layout.
+from hub.layout import FORMATS
+from hub.layout import MANIFEST_NAME as MANIFEST_NAME
+
+FORMAT_ROOTS = FORMATS  # the store's top-level folders, one per format
 
 MAX_PREFIX_LEN = 512
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")

@@ -1,4 +1,5 @@
 from datetime import datetime
+from typing import Any
 
 from ninja import Field, Schema
 
@@ -65,7 +66,7 @@ class DownloadJobOut(Schema):
     error: str | None
     target_prefix: str
     allow_patterns: list[str]
-    files: list[dict]
+    files: list[dict[str, Any]]
     node: str
     replace: bool
     created_at: datetime
@@ -121,7 +122,7 @@ class CacheJobOut(Schema):
     prefix: str
     action: str
     status: str
-    result: dict
+    result: dict[str, Any]
     error: str | None
     created_at: datetime
     finished_at: datetime | None

@@ -210,7 +210,7 @@ def local_files(root: Path, *, limit: int | None = None) -> list[LocalFile]:
     Symlinked files are followed (`real` says where to); symlinked folders are not walked. A FIFO,
     socket or device anywhere raises NotARegularFile before anything is read or written (a FIFO
     would block the reader forever). Which of these files an upload may read is decided by
-    `hub.services.check_import_path`.
+    `hub.imports.check_import_path`.
     """
     root = Path(root)
     if not root.is_dir():
@@ -231,7 +231,7 @@ def open_local(local: LocalFile | Path) -> BinaryIO:
     """Open a local file for upload: never blocks on a FIFO, reads only a regular file, and for a
     LocalFile only the very file its walk checked (same device and inode, final symlink refused)."""
     checked = local if isinstance(local, LocalFile) else None
-    path = checked.real if checked else Path(local)
+    path = local.real if isinstance(local, LocalFile) else Path(local)
     flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (os.O_NOFOLLOW if checked else 0)
     try:
         fd = os.open(path, flags)
@@ -372,7 +372,7 @@ class ModelStore(ABC):
     ) -> Manifest:
         """Upload a local folder (or one file) as `prefix`; the manifest goes last.
 
-        `files` is the walk of `local` already checked by `hub.services.check_import_path` (every
+        `files` is the walk of `local` already checked by `hub.imports.check_import_path` (every
         upload a user asks for comes that way); without it `local` is walked here, for the
         console's own callers (the demo model, tests).
         A complete model is overwritten only with `replace=True` (else ModelExists, nothing
@@ -383,7 +383,7 @@ class ModelStore(ABC):
         removes what it wrote when it fails. The manifest lists only what this upload wrote: each
         file is checked in the store (size and ETag) first, and a file another writer removed or
         replaced meanwhile fails the upload (ConcurrentWrite) with no manifest written. (One
-        writer per prefix is the job of the console's lock, `hub.services.lock_prefix`.)
+        writer per prefix is the job of the console's lock, `hub.locks.lock_prefix`.)
         """
         prefix = validate_prefix(prefix)
         if files is None:
@@ -615,7 +615,8 @@ class MinioModelStore(ModelStore):
             size = os.fstat(fh.fileno()).st_size
             reader = _HashingReader(fh, progress, cancel)
             try:
-                result = self.client.put_object(self.bucket, key, reader, length=size,
+                # minio annotates a BinaryIO; it calls read(n) only, all _HashingReader has
+                result = self.client.put_object(self.bucket, key, reader, length=size,  # type: ignore[arg-type]
                                                 part_size=64 * 1024 * 1024)
             except StoreError:  # raised by the reader: a cancel, not the store's fault
                 raise
@@ -694,7 +695,7 @@ class MinioModelStore(ModelStore):
             while True:  # the SDK has no public listing of these; its own request helpers do it
                 page = self.client._list_multipart_uploads(self.bucket, prefix=prefix, key_marker=key_marker,
                                                            upload_id_marker=upload_marker, max_uploads=1000)
-                found += [(u.object_name, u.upload_id) for u in page.uploads]
+                found += [(u.object_name, u.upload_id) for u in page.uploads if u.upload_id]  # S3 always names it
                 if not page.is_truncated or not page.next_key_marker or page.next_key_marker == key_marker:
                     return found
                 key_marker, upload_marker = page.next_key_marker, page.next_upload_id_marker
@@ -873,10 +874,11 @@ class FilesystemModelStore(ModelStore):
         dest.parent.mkdir(parents=True, exist_ok=True)
         try:
             os.rename(dest, old)
+            replaced = True
         except FileNotFoundError:
-            old = None
+            replaced = False
         os.rename(new, dest)
-        if old is not None:
+        if replaced:
             shutil.rmtree(old, ignore_errors=True)
         return manifest
 

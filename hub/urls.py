@@ -14,4 +14,5 @@ urlpatterns = [
     path("nodes/<str:name>/cache/", views.node_cache_card, name="node-cache"),
     path("nodes/<str:name>/cache/evict/", views.node_cache_action, {"action": "evict"}, name="node-cache-evict"),
     path("nodes/<str:name>/cache/verify/", views.node_cache_action, {"action": "verify"}, name="node-cache-verify"),
+    path("nodes/<str:name>/cache/jobs/<int:pk>/cancel/", views.node_cache_cancel, name="node-cache-cancel"),
 ]

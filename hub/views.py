@@ -14,13 +14,19 @@ from django.views.decorators.http import require_http_methods, require_POST
 from accounts.audit import record_audit
 from accounts.auth import role_required
 from accounts.models import Role
-from hub import node_cache, services
-from hub.events import publish_new_job, publish_new_upload
-from hub.models import CacheEntry, CacheState, DownloadJob, ModelArtifact, UploadJob
+from hub import index, node_cache, writes
+from hub.events import publish_job_sync, publish_new_job
+from hub.imports import HubInputError
+from hub.jobs import download as download_jobs
+from hub.jobs import request_cancel
+from hub.jobs import upload as upload_jobs
+from hub.locks import PrefixBusy
+from hub.models import CacheEntry, CacheJob, CacheState, DownloadJob, ModelArtifact, UploadJob
 from hub.paths import FORMAT_ROOTS, InvalidPrefix
 from hub.store import ModelExists, StoreError
 
 PAGE_SIZE = 50
+RECENT_CACHE_JOBS = 10  # a node's cache card lists its jobs: every active one, else the last ones
 
 
 def cached_on_map(prefixes: list[str]) -> dict[str, list[str]]:
@@ -57,12 +63,12 @@ def model_delete(request: HttpRequest) -> HttpResponse:
     """Delete a model from the store (admins; the page asks for confirmation first)."""
     prefix = request.POST.get("prefix", "")
     try:
-        removed = services.delete_model(prefix=prefix)
+        removed = writes.delete_model(prefix=prefix)
     except InvalidPrefix as exc:
         record_audit(action="model_delete", target=prefix, request=request, outcome="refused", detail={"reason": str(exc)})
         messages.error(request, str(exc))
         return render(request, "hub/message.html", {"title": "Delete refused"}, status=400)
-    except services.PrefixBusy as exc:
+    except PrefixBusy as exc:
         record_audit(action="model_delete", target=prefix, request=request, outcome="refused", detail={"reason": str(exc)})
         messages.error(request, str(exc))
         return render(request, "hub/message.html", {"title": "Delete refused"}, status=409)
@@ -80,7 +86,7 @@ def model_delete(request: HttpRequest) -> HttpResponse:
 def models_refresh(request: HttpRequest) -> HttpResponse:
     """Re-read the store into the index now."""
     try:
-        count = services.refresh_index()
+        count = index.refresh_index()
         messages.success(request, f"The store holds {count} models.")
     except StoreError as exc:
         messages.error(request, f"The store failed: {exc}")
@@ -101,7 +107,7 @@ def _node_choices() -> list[str]:
 @require_http_methods(["GET", "POST"])
 def upload_page(request: HttpRequest) -> HttpResponse:
     """Queue an upload of a file or folder on a node into the store, and watch every upload live (the
-    jobs are in the database, so any web process shows them). Only paths `services.check_import_path`
+    jobs are in the database, so any web process shows them). Only paths `hub.imports.check_import_path`
     allows: under XGEN_IMPORT_DIRS, outside the console's own dirs."""
     form = {"local_path": "", "format": "gguf", "name": "", "node": settings.NODE_NAME, "replace": False}
     status = 200
@@ -110,12 +116,12 @@ def upload_page(request: HttpRequest) -> HttpResponse:
         form["replace"] = request.POST.get("replace") in ("1", "on", "true")
         target = f"{form['format']}/{form['name']} from {form['local_path']}"
         try:
-            job = services.create_upload_job(**form, user=request.user)
-        except (InvalidPrefix, services.HubInputError) as exc:
+            job = upload_jobs.create_upload_job(**form, user=request.user)
+        except (InvalidPrefix, HubInputError) as exc:
             record_audit(action="upload", target=target, request=request, outcome="refused", detail={"reason": str(exc)})
             messages.error(request, str(exc))
             status = 400
-        except (ModelExists, services.PrefixBusy) as exc:
+        except (ModelExists, PrefixBusy) as exc:
             record_audit(action="upload", target=target, request=request, outcome="refused", detail={"reason": str(exc)})
             messages.error(request, str(exc))
             status = 409
@@ -124,8 +130,8 @@ def upload_page(request: HttpRequest) -> HttpResponse:
             status = 502
         else:
             record_audit(action="upload", target=target, request=request,
-                         detail={"job": job.pk, "node": job.node, "prefix": job.target_prefix})
-            publish_new_upload(job)
+                         detail={"job": job.number, "node": job.node, "prefix": job.target_prefix})
+            publish_new_job(job)
             messages.success(request, f"Upload of {job.local_path} as {job.target_prefix} queued on {job.node}.")
             return redirect("model-upload")
     uploads = UploadJob.objects.select_related("created_by")[:RECENT_UPLOADS]
@@ -138,7 +144,8 @@ def upload_page(request: HttpRequest) -> HttpResponse:
 @require_POST
 def upload_cancel(request: HttpRequest, pk: int) -> HttpResponse:
     """Cancel an upload: its agent stops the copy; nothing of it stays listed as complete."""
-    job = services.request_upload_cancel(job=get_object_or_404(UploadJob, pk=pk))
+    job = upload_jobs.request_upload_cancel(job=get_object_or_404(UploadJob, number=pk))
+    publish_job_sync(job)  # a job no agent had claimed is CANCELLED now: every open page shows it
     if request.htmx:
         return HttpResponse(status=204)
     messages.info(request, f"Cancel requested for the upload to {job.target_prefix}.")
@@ -159,15 +166,15 @@ def downloads_page(request: HttpRequest) -> HttpResponse:
             form["replace"] = request.POST.get("replace") in ("1", "on", "true")
             patterns = [p.strip() for p in form["allow_patterns"].replace("\n", ",").split(",") if p.strip()]
             try:
-                job = services.create_download_job(repo_id=form["repo_id"], revision=form["revision"] or None,
+                job = download_jobs.create_download_job(repo_id=form["repo_id"], revision=form["revision"] or None,
                                                    format=form["format"], allow_patterns=patterns,
                                                    replace=form["replace"], user=request.user)
-            except (InvalidPrefix, services.HubInputError) as exc:
+            except (InvalidPrefix, HubInputError) as exc:
                 record_audit(action="download", target=form["repo_id"], request=request, outcome="refused",
                              detail={"reason": str(exc)})
                 messages.error(request, str(exc))
                 status = 400
-            except (ModelExists, services.PrefixBusy) as exc:
+            except (ModelExists, PrefixBusy) as exc:
                 record_audit(action="download", target=form["repo_id"], request=request, outcome="refused",
                              detail={"reason": str(exc)})
                 messages.error(request, str(exc))
@@ -179,7 +186,7 @@ def downloads_page(request: HttpRequest) -> HttpResponse:
                 status = 502
             else:
                 record_audit(action="download", target=job.repo_id, request=request,
-                             detail={"job": job.pk, "revision": job.revision, "format": job.format})
+                             detail={"job": job.number, "revision": job.revision, "format": job.format})
                 publish_new_job(job)
                 messages.success(request, f"Download of {job.repo_id} queued.")
                 return redirect("downloads")
@@ -193,7 +200,8 @@ def downloads_page(request: HttpRequest) -> HttpResponse:
 @require_POST
 def download_cancel(request: HttpRequest, pk: int) -> HttpResponse:
     """Cancel a job: the agent kills its child process and cleans up."""
-    job = services.request_cancel(job=get_object_or_404(DownloadJob, pk=pk))
+    job = download_jobs.request_cancel(job=get_object_or_404(DownloadJob, number=pk))
+    publish_job_sync(job)  # a job no agent had claimed is CANCELLED now: every open page shows it
     if request.htmx:
         return HttpResponse(status=204)
     messages.info(request, f"Cancel requested for {job.repo_id}.")
@@ -205,8 +213,9 @@ def _node_cache_card(request: HttpRequest, name: str, *, error: str = "") -> Htt
 
     node = get_object_or_404(Node, name=name)
     cache = node_cache.overview(node)
+    recent = list(CacheJob.objects.filter(node=node.name).select_related("created_by")[:RECENT_CACHE_JOBS])
     context = {"cache": cache, "node_name": node.name, "can_act": request.user.has_role(Role.OPERATOR),
-               "pending": any(m["pending"] for m in cache["models"]), "error": error}
+               "pending": any(m["pending"] for m in cache["models"]), "error": error, "jobs": recent}
     return render(request, "hub/partials/_node_cache.html" if request.htmx else "hub/node_cache.html", context)
 
 
@@ -225,11 +234,26 @@ def node_cache_action(request: HttpRequest, name: str, action: str) -> HttpRespo
     node = get_object_or_404(Node, name=name)
     error = ""
     try:
-        node_cache.request_cache_job(node=node, prefix=request.POST.get("prefix", ""), action=action,
-                                     user=request.user)
+        job = node_cache.request_cache_job(node=node, prefix=request.POST.get("prefix", ""), action=action,
+                                           user=request.user)
     except (InvalidPrefix, LookupError, node_cache.CacheInUse) as exc:
         error = str(exc)
+    else:
+        publish_new_job(job)
     if not request.htmx:
         (messages.error if error else messages.success)(request, error or f"{action.title()} queued for the agent of {name}.")
         return redirect("node-detail", name=name)
     return _node_cache_card(request, name, error=error)  # 200 either way: htmx swaps the card and its message
+
+
+@role_required(Role.OPERATOR)
+@require_POST
+def node_cache_cancel(request: HttpRequest, name: str, pk: int) -> HttpResponse:
+    """Cancel an Evict or a Verify (`hub.jobs.request_cancel`, as a download's or an upload's): one
+    the agent has not claimed ends at once, a Verify stops before its next file."""
+    job = request_cancel(get_object_or_404(CacheJob, number=pk, node=name))
+    publish_job_sync(job)
+    if request.htmx:
+        return HttpResponse(status=204)
+    messages.info(request, f"Cancel requested for the {job.action} of {job.target_prefix}.")
+    return redirect("node-detail", name=name)

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 from channels.generic.websocket import AsyncWebsocketConsumer
 
@@ -37,7 +38,7 @@ class Viewer:
     is_superuser: bool
 
 
-def _viewer(user, session) -> Viewer:
+def _viewer(user: Any, session: Any) -> Viewer:
     return Viewer(user_id=user.pk, session_key=getattr(session, "session_key", None),
                   auth_hash=user.get_session_auth_hash(), role=getattr(user, "role", None),
                   is_superuser=bool(getattr(user, "is_superuser", False)))
@@ -96,10 +97,10 @@ class LiveConsumer(AsyncWebsocketConsumer):
             if task is not None and task is not asyncio.current_task():
                 task.cancel()
 
-    async def receive(self, text_data=None, bytes_data=None) -> None:
+    async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None) -> None:
         """Browsers only listen; anything they send is ignored."""
 
-    async def live_recheck(self, event: dict) -> None:
+    async def live_recheck(self, event: dict[str, Any]) -> None:
         await self._recheck()
 
     async def _recheck(self) -> bool:
@@ -120,7 +121,7 @@ class LiveConsumer(AsyncWebsocketConsumer):
                 if not await self._recheck():
                     return
 
-    async def live_fragment(self, event: dict) -> None:
+    async def live_fragment(self, event: dict[str, Any]) -> None:
         key = event.get("key")
         if key in self._skipped:
             return

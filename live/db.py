@@ -92,7 +92,7 @@ def _drop_broken(exc: BaseException) -> bool:
     return lost
 
 
-def _call(fn: Callable[..., T], args: tuple, kwargs: dict, retry: bool) -> T:
+def _call(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any], retry: bool) -> T:
     if _in_atomic():
         return fn(*args, **kwargs)
     _close_stale()

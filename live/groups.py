@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Any
 
 log = logging.getLogger("xgen.live.groups")
 
@@ -13,7 +14,7 @@ LAYER_TIMEOUT_S = 5.0  # a layer call that hangs (Redis restarting) must not sta
 SEND_TIMEOUT_S = 2.0  # a message is a hint (every receiver also polls): never wait long to send one
 
 
-async def send(group: str, message: dict) -> bool:
+async def send(group: str, message: dict[str, Any]) -> bool:
     """Send to every member of `group`, at most SEND_TIMEOUT_S: a channel layer that hangs (Redis
     busy or restarting) must never hold up a state change, a page or a request. False when the
     message could not be sent (logged); the receivers' own refresh catches up."""
@@ -33,7 +34,7 @@ async def send(group: str, message: dict) -> bool:
         return False
 
 
-def send_sync(group: str, message: dict) -> bool:
+def send_sync(group: str, message: dict[str, Any]) -> bool:
     """`send` for synchronous callers (not on an event loop thread)."""
     from asgiref.sync import async_to_sync
 
@@ -58,13 +59,13 @@ class Receiver:
 
     RESTART_S = 30.0
 
-    def __init__(self, layer, channel: str) -> None:
+    def __init__(self, layer: Any, channel: str) -> None:
         self.layer = layer
         self.channel = channel
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[Any] | None = None
         self._since = 0.0
 
-    async def receive(self, timeout: float) -> dict | None:
+    async def receive(self, timeout: float) -> dict[str, Any] | None:
         """The next message, or None after `timeout` seconds (the receive goes on for the next call).
         Raises what the receive raised (the layer is down)."""
         if self._task is not None and time.monotonic() - self._since > self.RESTART_S:
@@ -98,7 +99,7 @@ class GroupListener:
         self._joined_at = 0.0
         self._failing = False  # warned once for the current run of failures
 
-    async def receive(self, timeout: float) -> dict | None:
+    async def receive(self, timeout: float) -> dict[str, Any] | None:
         """The next message sent to the group, or None after `timeout` seconds without one (also
         when there is no channel layer, or it is down: then the membership is made again next time)."""
         if not self._looked_up:

@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from typing import Any
 
 
-async def cancel_and_wait(task: asyncio.Task | None) -> None:
+async def cancel_and_wait(task: asyncio.Task[Any] | None) -> None:
     """Cancel `task` (if any) and wait until it has ended; its cancellation and any error it ended
     with are swallowed (shutdown: what it left is flushed by the caller)."""
     if task is None:

@@ -3,7 +3,8 @@ state transitions every state change is checked against.
 
 A state changes only through the `mark_*` methods: each locks the row, checks the move against
 TRANSITIONS, writes the row and its InstanceEvent in one transaction, then announces the change
-(`instance_changed`, which serving.events turns into live page updates) after the commit.
+(`instance_changed`: serving.control.events pushes it to every routing table, serving.web.live to
+the open pages) after the commit.
 """
 from __future__ import annotations
 
@@ -96,8 +97,11 @@ class IllegalTransition(Exception):
 class ModelInstance(models.Model):
     model_name = models.CharField(max_length=255, help_text="served name clients put in `model`")
     aliases = models.JSONField(default=list, blank=True, help_text="more names that route like model_name")
+    adapters = models.JSONField(default=list, blank=True, help_text="LoRA adapters loaded with the model: "
+                                "[{name, path, scale}], each served as model_name:name (issue 27)")
     replica = models.PositiveSmallIntegerField(
-        default=0, help_text="replicas of one served name are numbered; a load makes replica 0")
+        default=0, help_text="replicas of one served name are numbered 0.. (the lowest free number); its "
+                             "ModelDeployment holds how many are wanted")
     model_path = models.CharField(max_length=1024, help_text="store prefix or absolute path on the node")
     artifact = models.ForeignKey("hub.ModelArtifact", null=True, blank=True, on_delete=models.SET_NULL)
     type = models.CharField(max_length=16, choices=InstanceType.choices, default=InstanceType.LLM)
@@ -122,6 +126,9 @@ class ModelInstance(models.Model):
         null=True, blank=True, help_text="the proxy's wait for the first byte of an answer's body (a long "
                                          "prefill); null: XGEN_PROXY_FIRST_BYTE_TIMEOUT")
     last_request_at = models.DateTimeField(null=True, blank=True, help_text="the proxy's last request (batched)")
+    drain_until = models.DateTimeField(
+        null=True, blank=True, help_text="scaled down: out of routing, stopped once its requests in flight are "
+                                         "done or at this time, whichever comes first")
     desired_state = models.CharField(max_length=16, choices=DesiredState.choices, default=DesiredState.RUNNING)
     state = models.CharField(max_length=16, choices=InstanceState.choices, default=InstanceState.PENDING)
     state_message = models.CharField(max_length=500, blank=True)
@@ -195,6 +202,15 @@ class ModelInstance(models.Model):
         idle_s = max(0.0, self.idle_ttl_s - (at - now).total_seconds())
         left_s = max(0.0, (at - now).total_seconds())
         return f"idle for {_minutes(idle_s)} / unloads in {_minutes(left_s)}"
+
+    @property
+    def replicas_desired(self) -> int | None:
+        """Its served name's desired replica count (ModelDeployment), read once per object; lists
+        set `_replicas_desired` for all their rows with one query."""
+        if not hasattr(self, "_replicas_desired"):
+            self._replicas_desired = ModelDeployment.objects.filter(model_name=self.model_name) \
+                .values_list("replicas", flat=True).first()
+        return self._replicas_desired
 
     @property
     def memory_mib(self) -> int:
@@ -365,6 +381,79 @@ def _announce(instance: ModelInstance, event: InstanceEvent | None, *, progress_
         log.warning("live update for %s failed", instance, exc_info=True)
 
 
+class ModelDeployment(models.Model):
+    """One served name's desired replica count (issue 30), stored once whatever its instances: the
+    instances holding the name (ModelInstance.model_name, numbered by `replica`) are its replicas.
+    The served name is the key the instances already share (and the unique constraint on
+    (model_name, replica) is held on), so the row owns them by name, not by a foreign key."""
+
+    model_name = models.CharField(max_length=255, unique=True)
+    replicas = models.PositiveSmallIntegerField(default=1, help_text="replicas wanted; 0 once unloaded")
+    drain_timeout_s = models.PositiveIntegerField(
+        default=30, help_text="a replica scaled down waits at most this long for its requests in flight")
+    # Autoscaling (issue 30 #2): on while target_in_flight is set (serving.control.autoscale).
+    min_replicas = models.PositiveSmallIntegerField(default=1, help_text="the autoscaler's floor (0: the last "
+                                                                        "replica is left to on_demand's idle unload)")
+    max_replicas = models.PositiveSmallIntegerField(default=1, help_text="the autoscaler's ceiling")
+    target_in_flight = models.FloatField(null=True, blank=True, help_text="requests in flight (and queued) per "
+                                                                          "replica the autoscaler aims at; null: off")
+    scale_up_window_s = models.PositiveIntegerField(default=30, help_text="load must stay above the target this "
+                                                                          "long before a replica is added")
+    scale_down_delay_s = models.PositiveIntegerField(default=600, help_text="load must stay below the target this "
+                                                                            "long before a replica is removed")
+    last_scaled_at = models.DateTimeField(null=True, blank=True, help_text="the last change of `replicas`")
+    rollout = models.JSONField(null=True, blank=True, help_text="a rolling restart under way: the new extra_args, "
+                                                                 "the replicas still to restart, the drain timeout")
+    created_at = models.DateTimeField(default=timezone.now)
+    updated_at = models.DateTimeField(default=timezone.now)
+
+    def __str__(self) -> str:
+        return f"{self.model_name} x{self.replicas}"
+
+    @property
+    def autoscaling(self) -> bool:
+        return self.target_in_flight is not None and self.target_in_flight > 0
+
+
+class ScalingDecision(models.Model):
+    """One change of a model's replica count by the autoscaler: when, from, to, and why (the load
+    it saw and the window it held for); shown on the model's page and in the audit log."""
+
+    at = models.DateTimeField(default=timezone.now, db_index=True)
+    model_name = models.CharField(max_length=255)
+    from_replicas = models.PositiveSmallIntegerField()
+    to_replicas = models.PositiveSmallIntegerField()
+    reason = models.TextField()
+
+    class Meta:
+        ordering = ["-at", "-pk"]
+        indexes = [models.Index(fields=["model_name", "at"])]
+
+
+class InFlightReport(models.Model):
+    """A web process's requests in flight and queued for a model, written each ACTIVITY_FLUSH_S while
+    it has some (and once at 0): what the autoscaler sums over the fleet (fresh rows only)."""
+
+    process = models.CharField(max_length=200, help_text="host:pid of the web process")
+    model_name = models.CharField(max_length=255)
+    in_flight = models.PositiveIntegerField(default=0)
+    queued = models.PositiveIntegerField(default=0)
+    instances = models.JSONField(default=dict, help_text="requests in flight per instance id (its replicas)")
+    at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["process", "model_name"], name="one_report_per_process_model")]
+
+
+class ControllerLease(models.Model):
+    """Who runs a cluster-wide loop (the autoscaler): one web process holds the row until
+    `expires_at`, renewing it; another takes it over once it expired (a conditional UPDATE)."""
+
+    name = models.CharField(max_length=64, unique=True)
+    holder = models.CharField(max_length=200)
+    expires_at = models.DateTimeField()
+
+
 class InstanceEvent(models.Model):
     """One state transition of an instance; the timeline on its page."""
 
@@ -403,7 +492,7 @@ class MemoryMeasurement(models.Model):
 
 class UsageBucket(models.Model):
     """Inference usage in one hour, per key, user, model, instance and node; summed by every web
-    process (serving.usage writes them in batches). Names are kept as they were (the rows outlive
+    process (serving.proxy.usage writes them in batches). Names are kept as they were (the rows outlive
     keys, users and instances)."""
 
     bucket_start = models.DateTimeField(help_text="the hour (UTC) the requests finished in")
@@ -454,3 +543,12 @@ class RequestLog(models.Model):
     class Meta:
         ordering = ["-at", "-pk"]
         indexes = [models.Index(fields=["key_id", "at"]), models.Index(fields=["model", "at"])]
+
+
+class UsageJournalSegment(models.Model):
+    """A usage-journal segment whose rows are in the request log and usage buckets (serving.proxy.usage_journal):
+    written in the same transaction as they are, so a segment replayed after its owner died between
+    that commit and deleting the file is never counted twice. Pruned after XGEN_REQUEST_LOG_DAYS + 1."""
+
+    name = models.CharField(max_length=100, unique=True)
+    committed_at = models.DateTimeField(auto_now_add=True, db_index=True)

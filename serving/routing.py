@@ -1,6 +1,6 @@
 from django.urls import path
 
-from serving.consumers import DashboardConsumer, InstanceConsumer, InstancesConsumer
+from serving.web.consumers import DashboardConsumer, InstanceConsumer, InstancesConsumer
 
 websocket_urlpatterns = [
     path("ws/instances/", InstancesConsumer.as_asgi()),

@@ -1,6 +1,6 @@
 from django.urls import path
 
-from serving import dashboard_views, usage_views, views
+from serving.web import dashboard_views, team_views, usage_views, views
 
 urlpatterns = [
     path("", dashboard_views.dashboard, name="home"),
@@ -12,6 +12,9 @@ urlpatterns = [
     path("instances/<int:pk>/playground", views.playground, name="instance-playground"),
     path("instances/<int:pk>/unload", views.instance_unload, name="instance-unload"),
     path("instances/<int:pk>/restart", views.instance_restart, name="instance-restart"),
+    path("instances/<int:pk>/scale", views.instance_scale, name="instance-scale"),
     path("usage/", usage_views.usage_page, name="usage"),
     path("requests/", usage_views.requests_page, name="requests"),
+    path("teams/", team_views.teams_page, name="teams"),
+    path("teams/<int:team_id>/", team_views.team_detail, name="team-detail"),
 ]

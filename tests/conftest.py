@@ -244,8 +244,9 @@ class KeyedConsole:
         return {"Authorization": f"Bearer {self.key}"}
 
 
-def start_console(data_dir: Path, *, extra_env: dict | None = None, server: str = "daphne") -> Console:
-    """Migrate a fresh data dir, create an admin, and run `manage.py serve` on a free port."""
+def start_console(data_dir: Path, *, extra_env: dict | None = None, server: str | None = None) -> Console:
+    """Migrate a fresh data dir, create an admin, and run `manage.py serve` on a free port, on
+    `server` (daphne or uvicorn), else on serve's own default as in production (uvicorn)."""
     data_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     env = {
@@ -265,7 +266,8 @@ def start_console(data_dir: Path, *, extra_env: dict | None = None, server: str 
                        capture_output=True, timeout=120)
     log = open(data_dir / "serve.log", "wb")  # noqa: SIM115
     proc = subprocess.Popen(
-        [PYTHON, str(REPO / "manage.py"), "serve", "--host", "127.0.0.1", "--port", str(port), "--server", server],
+        [PYTHON, str(REPO / "manage.py"), "serve", "--host", "127.0.0.1", "--port", str(port),
+         *(["--server", server] if server else [])],
         env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
     )
     log.close()
@@ -287,7 +289,52 @@ def console(tmp_path_factory) -> Iterator[Console]:
     assert code == 0, f"console exited with {code}:\n{c.log[-3000:]}"
 
 
+# `pytest -m "not slow and not browser and not cluster"` is the quick run (README, Tests): these
+# are slow. A test is, when it starts processes that take seconds each (a real console, a node
+# agent with its engines, llama.cpp servers, the released trees of the migration tests)...
+SLOW_FIXTURES = frozenset({"console", "proxy_console", "proxy_console_daphne", "backends", "agent", "engine",
+                           "llama_server", "llama_server_factory", "consoles", "release_tree", "billing",
+                           "tricked"})
+# ...or when it does so inside the test or a fixture of its file, or took 3 s or more in
+# `pytest --durations=0` (2 cores, load 7-10; parameters summed; a first test's database setup not counted).
+SLOW_PATHS = (
+    "tests/faults/",
+    "tests/proxy/test_limits_and_usage.py", "tests/proxy/test_queue.py", "tests/proxy/test_soak.py",
+    "tests/security/test_secrets.py", "tests/security/test_fuzz_api.py",
+    "tests/serving/test_agent_restart.py", "tests/serving/test_demo_chat.py", "tests/serving/test_on_demand.py",
+    "tests/xgenconsole/test_body_limits.py", "tests/xgenconsole/test_head_limits.py",
+    "tests/xgenconsole/test_serve.py", "tests/xgenconsole/test_deploy_check.py",
+    "tests/deploy/test_images.py::test_llama_server_links_only_what_the_cpu_image_installs",
+    "tests/deploy/test_images.py::test_the_wheel_the_build_makes_installs_in_a_clean_venv",
+    "tests/accounts/test_admin_pages.py::test_admin_creates_a_key_shown_once",
+    "tests/accounts/test_key_cache.py::test_a_key_in_use_is_kept_fresh_between_its_requests",
+    "tests/hardware/test_detectors.py::test_the_torch_device_reader_on_the_real_torch",
+    "tests/hub/test_api.py::test_the_index_of_a_thousand_models_refreshes_and_pages",
+    "tests/hub/test_cache.py::test_a_sync_in_another_process_and_one_here_transfer_once",
+    "tests/hub/test_cache.py::test_a_sync_killed_half_way_leaves_nothing_that_passes_as_complete",
+    "tests/hub/test_cache.py::test_a_verified_copy_loads_while_the_store_is_down",
+    "tests/hub/test_cache.py::test_big_files_go_up_in_parts_and_come_back_verified",
+    "tests/hub/test_download_replace.py::test_a_cancelled_replacing_download_leaves_the_old_model",
+    "tests/hub/test_downloads.py::test_a_kill_9_mid_download_leaves_a_child_the_restarted_agent_stops",
+    "tests/hub/test_downloads.py::test_the_store_going_away_mid_upload_fails_and_leaves_no_model",
+    "tests/hub/test_replace.py::test_a_switch_cut_short_by_the_store_is_finished_once_it_is_back",
+    "tests/hub/test_store.py::test_listing_pages_through_many_models",
+    "tests/hub/test_store_writes.py::test_an_upload_of_a_huge_folder_is_refused_without_walking_it",
+    "tests/hub/test_upload_jobs.py::test_a_replace_cut_off_by_the_store_is_never_listed_complete",
+    "tests/proxy/test_http1_conformance.py::test_broken_answers_are_clean_errors_and_whole_ones_read_as_h11_reads_them",
+    "tests/security/test_auth_matrix.py::test_pages_by_role",
+    "tests/security/test_dashboard_fuzz.py::test_any_range_renders_the_dashboard",
+    "tests/security/test_extra_args_properties.py::test_extra_args_never_reach_argv_unchecked",
+    "tests/security/test_validators_properties.py::test_a_valid_prefix_never_leaves_the_root",
+    "tests/serving/test_launch.py::test_agent_shutdown_while_the_database_fails_still_kills_its_backends",
+    "tests/xgenconsole/test_docs_settings.py::test_the_reader_finds_what_settings_reads",
+)
+
+
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if SLOW_FIXTURES.intersection(getattr(item, "fixturenames", ())) or item.nodeid.startswith(SLOW_PATHS):
+            item.add_marker(pytest.mark.slow)
     # Sync Playwright cannot share a process with pytest-asyncio's loops: browser tests run
     # in their own invocation (`pytest -m browser`, see the README); elsewhere they are
     # deselected, not skipped, so no run counts them as passed.

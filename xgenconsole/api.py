@@ -9,16 +9,16 @@ from django.http import Http404, HttpRequest
 from ninja import NinjaAPI
 from ninja.errors import AuthenticationError, AuthorizationError, HttpError, ValidationError
 
-from accounts.api import audit_router, keys_router
+from accounts.api import audit_router, keys_router, teams_router
 from accounts.auth import api_auth
 from accounts.bodies import UNKNOWN_FIELD
 from accounts.errors import ApiError, json_error
 from hardware.api import router as hardware_router
 from hub.api import cache_router, download_router, storage_router
 from live.db import connection_lost
-from serving.api import management_router
-from serving.inference_api import router as inference_router
-from serving.usage_api import requests_router, usage_router
+from serving.web.api import management_router
+from serving.web.inference_api import router as inference_router
+from serving.web.usage_api import requests_router, usage_router
 from xgenconsole.views import database_unavailable
 
 log = logging.getLogger(__name__)
@@ -43,6 +43,7 @@ api.add_router("/keys", keys_router, tags=["keys"])
 api.add_router("/usage", usage_router, tags=["usage"])
 api.add_router("/requests", requests_router, tags=["usage"])
 api.add_router("/audit", audit_router, tags=["audit"])
+api.add_router("/teams", teams_router, tags=["teams"])
 
 
 def _validation_message(exc: ValidationError) -> str:

@@ -5,6 +5,7 @@ The proxy's hot path (`/v1/`, `/api/inference/`) never enters Django's request h
 """
 from __future__ import annotations
 
+import asyncio
 import gc
 import os
 
@@ -21,8 +22,11 @@ from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: 
 from accounts.origins import WebsocketOriginValidator  # noqa: E402
 from hardware.routing import websocket_urlpatterns as hardware_ws  # noqa: E402
 from hub.routing import websocket_urlpatterns as hub_ws  # noqa: E402
+from live.tasks import cancel_and_wait  # noqa: E402
+from serving.control.autoscale import run_loop  # noqa: E402
 from serving.proxy.app import PROXY_PREFIXES, proxy_app  # noqa: E402
 from serving.proxy.upstream import shutdown_proxy  # noqa: E402
+from serving.proxy.usage import recorder  # noqa: E402
 from serving.routing import websocket_urlpatterns as serving_ws  # noqa: E402
 from xgenconsole.body_guard import guard_django  # noqa: E402
 
@@ -41,12 +45,18 @@ async def application(scope, receive, send):
     elif kind == "websocket":
         await websocket_app(scope, receive, send)
     elif kind == "lifespan":
-        # Neither Django nor channels handle lifespan; the proxy's pooled client is closed here.
+        autoscaler: asyncio.Task | None = None
+        # Neither Django nor channels handle lifespan; the usage writer starts and the proxy's pooled
+        # client is closed here.
         while True:
             message = await receive()
             if message["type"] == "lifespan.startup":
+                recorder.ensure_started()  # its first act: replay what a killed process left in the usage journal
+                # The autoscaler's decision loop: every web process runs it, the lease holder decides.
+                autoscaler = asyncio.get_running_loop().create_task(run_loop(), name="autoscaler")
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
+                await cancel_and_wait(autoscaler)
                 await shutdown_proxy()
                 await send({"type": "lifespan.shutdown.complete"})
                 return

@@ -19,7 +19,8 @@ from django.conf import settings
 
 from accounts.credentials import authenticate
 from accounts.errors import ErrorAnswer, error_body
-from serving.proxy.app import PROXY_PREFIXES, read_body
+from serving.proxy.app import PROXY_PREFIXES
+from serving.proxy.bodies import read_body
 
 
 def _has_credentials(headers: dict[bytes, bytes]) -> bool:

@@ -6,6 +6,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from xgenconsole.env import (
+    ImproperEnv,
     database_from_url,
     env_bool,
     env_dirs,
@@ -65,6 +66,13 @@ COLD_START_TIMEOUT_S = env_int("XGEN_COLD_START_TIMEOUT_S", 0, minimum=0)
 COLD_START_KEEPALIVE_S = env_int("XGEN_COLD_START_KEEPALIVE_S", 2, minimum=0)
 QUEUE_MAX = env_int("XGEN_QUEUE_MAX", 100, minimum=0)
 QUEUE_TIMEOUT_S = env_int("XGEN_QUEUE_TIMEOUT_S", 120, minimum=1)
+# Cluster mode (REDIS_URL): max_concurrency and the queues are leases in Redis, renewed while a request
+# runs; a dead web process's slots are free within the lease. On a Redis error: `local` (this process's
+# own queue, logged, counted, a dashboard banner) or `refuse` (503 admission_unavailable).
+ADMISSION_LEASE_S = env_int("XGEN_ADMISSION_LEASE_S", 10, minimum=1)
+ADMISSION_ON_REDIS_ERROR = env_str("XGEN_ADMISSION_ON_REDIS_ERROR", "local")
+if ADMISSION_ON_REDIS_ERROR not in ("local", "refuse"):
+    raise ImproperEnv(f"XGEN_ADMISSION_ON_REDIS_ERROR must be 'local' or 'refuse', not {ADMISSION_ON_REDIS_ERROR!r}")
 ACTIVITY_FLUSH_S = 1.0  # how often a web process writes its models' last request time
 # Backends see only an allowlist of the agent's environment; these names are passed as well.
 BACKEND_ENV_PASS = env_list("XGEN_BACKEND_ENV", [])
@@ -105,6 +113,14 @@ API_KEY_CACHE_S = env_int("XGEN_API_KEY_CACHE", 30, minimum=0)
 # Usage buckets and request-log rows: written by every web process in batches, at least this often.
 USAGE_FLUSH_S = env_int("XGEN_USAGE_FLUSH", 5, minimum=1, maximum=10)
 REQUEST_LOG_DAYS = env_int("XGEN_REQUEST_LOG_DAYS", 14, minimum=1)
+# Teams' GPU-seconds this month (chargeback by team), as each web process's proxy enforces the
+# teams' budgets: re-read in the background at most this often, while a team with a budget sends requests.
+TEAM_GPU_BUDGET_REFRESH_S = env_int("XGEN_TEAM_GPU_BUDGET_REFRESH_S", 5, minimum=1, maximum=300)
+# Every recorded request is also appended to this process's journal until it is written, so a web
+# process killed with kill -9 loses none (serving/proxy/usage_journal.py); fsync per row only when asked.
+USAGE_JOURNAL = env_bool("XGEN_USAGE_JOURNAL", True)
+USAGE_JOURNAL_DIR = Path(env_str("XGEN_USAGE_JOURNAL_DIR", str(DATA_DIR / "usage-journal"))).resolve()
+USAGE_JOURNAL_FSYNC = env_bool("XGEN_USAGE_JOURNAL_FSYNC", False)
 
 # Request bodies, on every route and every server: checked before a byte of the body is read.
 # A request without credentials may send at most ANONYMOUS_MAX_BODY_BYTES (the login form).
@@ -147,6 +163,7 @@ MIDDLEWARE = [
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "accounts.sso_check.SsoSessionCheckMiddleware",  # an SSO session is re-checked with its provider
     "accounts.auth.LoginRequiredPagesMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
@@ -156,7 +173,8 @@ MIDDLEWARE = [
 
 # Sign-in throttle (django-axes): after XGEN_LOGIN_FAILURE_LIMIT failed sign-ins for one user name,
 # or from one client address, every sign-in there is refused (429) for XGEN_LOGIN_COOLOFF_S seconds.
-AUTHENTICATION_BACKENDS = ["accounts.signin.SignInThrottleBackend", "django.contrib.auth.backends.ModelBackend"]
+AUTHENTICATION_BACKENDS = ["accounts.signin.SignInThrottleBackend", "accounts.ldap.LdapBackend",
+                           "accounts.sso.LocalLoginGate", "django.contrib.auth.backends.ModelBackend"]
 AXES_FAILURE_LIMIT = env_int("XGEN_LOGIN_FAILURE_LIMIT", 10, minimum=1, maximum=1000)
 AXES_COOLOFF_TIME = timedelta(seconds=env_int("XGEN_LOGIN_COOLOFF_S", 900, minimum=1, maximum=7 * 86400))
 AXES_LOCKOUT_PARAMETERS = ["username", "ip_address"]  # each on its own: a name, or an address
@@ -169,6 +187,39 @@ AXES_LOCKOUT_CALLABLE = "accounts.signin.locked_out_response"
 AXES_DISABLE_ACCESS_LOG = True  # sign-ins are in the audit log already
 AXES_ENABLE_ADMIN = False
 AXES_VERBOSE = False
+
+# Single sign-on (issue 26; accounts.oidc, accounts.ldap, accounts.sso). OpenID Connect: the issuer's
+# discovery document gives the endpoints and keys; sign-in is the authorization code flow with PKCE.
+OIDC_ISSUER = env_str("XGEN_OIDC_ISSUER").rstrip("/")
+OIDC_CLIENT_ID = env_str("XGEN_OIDC_CLIENT_ID")
+OIDC_CLIENT_SECRET = env_secret("XGEN_OIDC_CLIENT_SECRET")
+OIDC_SCOPES = env_str("XGEN_OIDC_SCOPES", "openid profile email")
+OIDC_GROUPS_CLAIM = env_str("XGEN_OIDC_GROUPS_CLAIM", "groups")
+OIDC_NAME = env_str("XGEN_OIDC_NAME", "single sign-on")  # the button says "Sign in with <name>"
+OIDC_REDIRECT_URI = env_str("XGEN_OIDC_REDIRECT_URI")  # empty: this request's .../accounts/oidc/callback/
+OIDC_CLOCK_SKEW_S = env_int("XGEN_OIDC_CLOCK_SKEW_S", 60, minimum=0, maximum=600)  # on exp, iat
+# LDAP (django-auth-ldap): search for the user with the bind DN (or bind as the user through
+# XGEN_LDAP_USER_DN_TEMPLATE), then the user's groups.
+AUTH_LDAP_SERVER_URI = env_str("XGEN_LDAP_URL")
+AUTH_LDAP_BIND_DN = env_str("XGEN_LDAP_BIND_DN")
+AUTH_LDAP_BIND_PASSWORD = env_secret("XGEN_LDAP_BIND_PASSWORD")
+AUTH_LDAP_START_TLS = env_bool("XGEN_LDAP_START_TLS", False)
+if AUTH_LDAP_SERVER_URI:
+    from xgenconsole.ldap_settings import ldap_settings
+
+    globals().update(ldap_settings())
+# Groups -> roles, for both: "group=role,group=role" or a JSON object; a user gets the highest.
+SSO_GROUP_ROLES = env_str("XGEN_SSO_GROUP_ROLES")
+# Groups -> teams (by slug): "group=team,group=team" or a JSON object {"group": "team" | ["team", ...]}.
+SSO_GROUP_TEAMS = env_str("XGEN_SSO_GROUP_TEAMS")
+# How often a signed-in SSO session is checked with its provider (OIDC refresh, LDAP lookup).
+SSO_RECHECK_S = env_int("XGEN_SSO_RECHECK_S", 300, minimum=0, maximum=86400)
+SSO_DEPROVISIONED_KEYS = env_str("XGEN_SSO_DEPROVISIONED_KEYS", "keep").strip() or "keep"
+if SSO_DEPROVISIONED_KEYS not in ("keep", "revoke"):
+    raise ImproperEnv(f"XGEN_SSO_DEPROVISIONED_KEYS must be keep or revoke, not {SSO_DEPROVISIONED_KEYS!r}")
+# Password sign-in of local users; false leaves it to XGEN_BREAK_GLASS_USERS only.
+LOCAL_LOGIN = env_bool("XGEN_LOCAL_LOGIN", True)
+BREAK_GLASS_USERS = env_list("XGEN_BREAK_GLASS_USERS", ["admin"])
 
 ROOT_URLCONF = "xgenconsole.urls"
 ASGI_APPLICATION = "xgenconsole.asgi.application"

@@ -4,8 +4,9 @@ from __future__ import annotations
 import logging
 
 from hardware.detectors.amdsmi import AmdSmiDetector
-from hardware.detectors.base import DetectionReport, DetectorAttempt, DetectorUnavailable
+from hardware.detectors.base import DetectionReport as DetectionReport
 from hardware.detectors.base import Detector as Detector
+from hardware.detectors.base import DetectorAttempt, DetectorUnavailable
 from hardware.detectors.cpu import CpuDetector, read_cpu_info
 from hardware.detectors.nvml import NvmlDetector
 from hardware.detectors.torch_cuda import TorchCudaDetector

@@ -1,6 +1,7 @@
 """AMD GPUs through AMD SMI (the `amdsmi` Python package from ROCm)."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from hardware.detectors.base import DetectedGpu, Detector, amd_gpu_type, as_text
@@ -17,12 +18,12 @@ def _number(value: Any) -> float | None:
 def parse_amdsmi_device(
     index: int,
     *,
-    asic: dict,
-    vram: dict,
-    activity: dict | None,
+    asic: dict[str, Any],
+    vram: dict[str, Any],
+    activity: dict[str, Any] | None,
     temperature: Any,
     uuid: Any,
-    driver: dict | None,
+    driver: dict[str, Any] | None,
 ) -> DetectedGpu:
     """Turn amdsmi's dicts for one GPU into a DetectedGpu.
 
@@ -85,7 +86,7 @@ class AmdSmiDetector(Detector):
         if not handles:
             raise self.unavailable("no AMD GPUs")
 
-        def optional(fn, *args):
+        def optional(fn: Callable[..., Any], *args: Any) -> Any:
             try:
                 return fn(*args)
             except Exception:

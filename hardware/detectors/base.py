@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 GPU_TYPE_NVIDIA = "NVIDIA"
 GPU_TYPE_AMD_CDNA = "AMD_CDNA"
@@ -35,7 +36,7 @@ class DetectedGpu:
     utilization_pct: float | None = None
     temperature_c: float | None = None
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         """Plain dict (for JSON and tests)."""
         return asdict(self)
 
@@ -54,7 +55,7 @@ class DetectorAttempt:
     ok: bool
     reason: str = ""
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return {"detector": self.detector, "ok": self.ok, "reason": self.reason}
 
 
@@ -67,7 +68,7 @@ class DetectionReport:
     cpu: CpuInfo
     attempts: list[DetectorAttempt] = field(default_factory=list)
 
-    def attempts_as_dicts(self) -> list[dict]:
+    def attempts_as_dicts(self) -> list[dict[str, Any]]:
         """The per-detector rows stored in Node.detection_report."""
         return [a.as_dict() for a in self.attempts]
 

@@ -1,6 +1,7 @@
 """NVIDIA GPUs through NVML (pynvml, from the nvidia-ml-py package)."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from hardware.detectors.base import (
@@ -72,7 +73,7 @@ class NvmlDetector(Detector):
             raise self.unavailable("no NVIDIA devices")
         driver = pynvml.nvmlSystemGetDriverVersion()
 
-        def optional(fn, *args):
+        def optional(fn: Callable[..., Any], *args: Any) -> Any:
             # Some boards do not report utilization or temperature (NotSupported).
             try:
                 return fn(*args)

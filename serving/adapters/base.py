@@ -79,6 +79,9 @@ class LaunchSpec:
     extra_args: dict = field(default_factory=dict)
     extra_args_checked: bool = False  # already normalize_extra_args()'s output (the plan checks them once)
     api_key_file: str = ""  # the file holding the instance's backend secret (or the plan's placeholder)
+    # LoRA adapters loaded with the model (issue 27): ((name, path, scale), ...), checked by
+    # serving.control.lora; an adapter whose `supports_adapters` is False never gets any.
+    adapters: tuple[tuple[str, str, float], ...] = ()
 
     @property
     def is_embedding(self) -> bool:
@@ -130,6 +133,9 @@ class BackendAdapter:
     label: ClassVar[str] = ""
     formats: ClassVar[tuple[str, ...]] = ()  # model formats it serves: "gguf", "huggingface"
     health_path: ClassVar[str] = "/health"
+    # Where the server says how many requests it is answering ("": it cannot say): a stopping node
+    # agent waits for none before it stops the server (Supervisor.drain). See requests_in_flight.
+    busy_path: ClassVar[str] = ""
     # Log lines that mean "probably up now": they only make the health poll happen sooner.
     ready_hints: ClassVar[tuple[str, ...]] = ("Uvicorn running on",)
     # The routes the server answers itself (the proxy translates /v1/messages to chat completions
@@ -137,6 +143,7 @@ class BackendAdapter:
     inference_routes: ClassVar[frozenset[str]] = OPENAI_ROUTES
     # The kinds of model (server_type) it can serve; selection skips it for the others.
     server_types: ClassVar[frozenset[str]] = frozenset({"llm", "embedding"})
+    supports_adapters: ClassVar[bool] = False  # LoRA adapters at start (LaunchSpec.adapters)
 
     def serves(self, path: str, version: str = "") -> bool:
         """Whether the proxy may send `path` to this server (one of its inference routes)."""
@@ -144,6 +151,10 @@ class BackendAdapter:
 
     def load_timeout_s(self) -> int:
         raise NotImplementedError
+
+    def requests_in_flight(self, body: bytes) -> int | None:
+        """The requests being answered, from busy_path's answer; None when it does not say."""
+        return None
 
     def allowed_flags(self, version: str) -> dict[str, str]:
         """Flag -> kind of value, for extra_args on this version. Flags the adapter sets itself are absent."""

@@ -1,6 +1,8 @@
 """llama.cpp's `llama-server` (CUDA, ROCm, Vulkan and CPU builds) for GGUF files."""
 from __future__ import annotations
 
+import json
+
 from django.conf import settings
 
 from serving.adapters.base import BOOL, FLOAT, INT, STR, TEMPLATE, BackendAdapter, LaunchSpec, parse_version
@@ -50,6 +52,7 @@ class LlamaServer(BackendAdapter):
     label = "llama-server"
     formats = ("gguf",)
     health_path = "/health"  # 503 while the model loads, 200 once it can answer
+    busy_path = "/slots"  # on by default (--no-slots turns it off: then the agent's stop does not wait)
     # "llama_server: listening on http://..." (0.5), "server is listening on" / "HTTP server listening" (older).
     ready_hints = ("listening on http", "server is listening", "HTTP server listening")
     # The OpenAI Responses API and Anthropic's Messages API (with count_tokens) are llama-server's own.
@@ -59,9 +62,20 @@ class LlamaServer(BackendAdapter):
         "/tokenize", "/detokenize", "/apply-template", "/infill", "/rerank",
     }
     server_types = frozenset({"llm", "embedding", "rerank"})
+    supports_adapters = True  # --lora-scaled at start; per-request `lora` [{id, scale}]
 
     def load_timeout_s(self) -> int:
         return settings.LOAD_TIMEOUT_LLAMA_S
+
+    def requests_in_flight(self, body: bytes) -> int | None:
+        """Slots processing a task: a request being answered holds one (queued ones wait for one)."""
+        try:
+            slots = json.loads(body)
+        except ValueError:
+            return None
+        if not isinstance(slots, list):
+            return None
+        return sum(1 for slot in slots if isinstance(slot, dict) and slot.get("is_processing"))
 
     def allowed_flags(self, version: str) -> dict[str, str]:
         flags = dict(COMMON_FLAGS)
@@ -85,6 +99,11 @@ class LlamaServer(BackendAdapter):
             cmd += ["--reranking"]  # embeddings with rank pooling: /v1/rerank through the model's head
         if spec.api_key_file:
             cmd += self.key_argv(spec.api_key_file)
+        if spec.adapters:
+            # Loaded at their scale; the proxy sets each request's `lora` (every adapter's scale:
+            # the named one's, 0 for the others, all 0 for the base). FNAME:SCALE,... (this build's
+            # --help); serving.control.lora refuses ',' and ':' in a path.
+            cmd += ["--lora-scaled", ",".join(f"{path}:{scale:g}" for _, path, scale in spec.adapters)]
         extra = self.extra_argv(spec)
         if spec.gpus and "--n-gpu-layers" not in extra:
             cmd += ["-ngl", "999"]  # every layer on the held GPUs

@@ -62,6 +62,7 @@ class VllmServer(BackendAdapter):
     label = "vLLM"
     formats = ("huggingface",)
     health_path = "/health"
+    busy_path = "/metrics"  # Prometheus text: vllm:num_requests_running and _waiting
     ready_hints = ("Uvicorn running on", "Application startup complete")
     inference_routes = BackendAdapter.inference_routes | {
         "/v1/responses", "/v1/messages", "/v1/messages/count_tokens", "/v1/rerank", "/v1/score",
@@ -69,6 +70,7 @@ class VllmServer(BackendAdapter):
         "/tokenize", "/detokenize", "/rerank", "/score", "/pooling", "/classify",
     }
     server_types = frozenset({"llm", "embedding", "rerank"})
+    supports_adapters = True  # --enable-lora --lora-modules at start
 
     def serves(self, path: str, version: str = "") -> bool:
         """/v1/responses since 0.10; Anthropic's /v1/messages in the OpenAI server only in recent
@@ -84,6 +86,19 @@ class VllmServer(BackendAdapter):
 
     def load_timeout_s(self) -> int:
         return settings.LOAD_TIMEOUT_VLLM_S
+
+    def requests_in_flight(self, body: bytes) -> int | None:
+        """Running plus waiting requests, summed over the metrics' label sets."""
+        total, seen = 0.0, False
+        for line in body.decode(errors="replace").splitlines():
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            if name in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
+                try:
+                    total += float(line.rsplit(" ", 1)[1])
+                except (IndexError, ValueError):
+                    return None
+                seen = True
+        return int(total) if seen else None
 
     def allowed_flags(self, version: str) -> dict[str, str]:
         flags = dict(COMMON_FLAGS)
@@ -128,6 +143,9 @@ class VllmServer(BackendAdapter):
             cmd += ["--runner", "pooling"] if uses_pooling_runner(spec.version) else ["--task", "score"]
         if len(spec.gpus) > 1 or spec.tensor_parallel_size > 1:
             cmd += ["--tensor-parallel-size", str(max(spec.tensor_parallel_size, len(spec.gpus)))]
+        if spec.adapters:  # each served as <model>:<name>, the name a request gives as `model`
+            cmd += ["--enable-lora", "--lora-modules",
+                    *(f"{spec.model_name}:{name}={path}" for name, path, _ in spec.adapters)]
         extra = self.extra_argv(spec)
         if spec.is_embedding:
             # The adapter already chose the runner; a second one would contradict it.

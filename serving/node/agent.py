@@ -31,10 +31,9 @@ from hardware.services import (
 from history.worker import DownsampleWorker
 from hub.worker import HubWorker
 from live.db import DatabaseUnavailable, run_db
-from serving.events import node_group
+from serving.control.events import node_group
 from serving.node.supervisor import Supervisor
-from serving.node.worker import AgentWorker
-from serving.usage import RequestLogPruner
+from serving.node.workers import AgentWorker, RequestLogPruner, UsageJournalReplayer
 
 log = logging.getLogger("xgen.agent")
 
@@ -57,6 +56,7 @@ def default_workers() -> list[AgentWorker]:
     workers.append(HubWorker())  # hub: store index, demo model, Hugging Face download jobs
     workers.append(Supervisor())  # serving: backend processes of this node's instances
     workers.append(RequestLogPruner())  # serving: the request log's retention (XGEN_REQUEST_LOG_DAYS)
+    workers.append(UsageJournalReplayer())  # serving: usage a killed web process left in its journal
     workers.append(DownsampleWorker())  # history: the dashboard's samples rolled up and pruned
     return workers
 

@@ -24,19 +24,33 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import httpx
 from django.conf import settings
 from django.utils import timezone
 
+from hardware.models import Node
 from hardware.process_memory import gpu_leaks, gpu_memory_by_pid, group_pids, measure_group
 from hub.cache import resolve_model_path, sync_to_cache
 from hub.store import StoreUnreachable
 from live.db import db_async
-from serving import events
 from serving.adapters import BackendAdapter, get_adapter
 from serving.adapters.base import backend_environment
+from serving.control import events
+from serving.control.capacity import has_requests_in_flight
+from serving.control.placement import PlacementError, bind_host, pick_port
+from serving.control.planning import (
+    KEY_FILE_SLOT,
+    LaunchPlan,
+    LoadRefused,
+    check_load_path_or_refuse,
+    fallback_plan,
+    plan_for_instance,
+    record_measurement,
+    stored_plan,
+)
+from serving.control.relocation import relocate
+from serving.control.services import instances_for_node, save_log_tail, start_again
 from serving.models import (
     ACTIVE_STATES,
     TRANSITIONS,
@@ -58,26 +72,14 @@ from serving.node.processes import (
     url_host,
     write_key_file,
 )
-from serving.node.worker import AgentWorker
-from serving.placement import PlacementError, bind_host, pick_port
-from serving.planning import (
-    KEY_FILE_SLOT,
-    LaunchPlan,
-    LoadRefused,
-    check_load_path_or_refuse,
-    fallback_plan,
-    plan_for_instance,
-    record_measurement,
-    stored_plan,
-)
-from serving.services import instances_for_node, save_log_tail, start_again
-
-if TYPE_CHECKING:
-    from serving.node.agent import NodeAgent
+from serving.node.workers import Agent, AgentWorker
 
 log = logging.getLogger("xgen.supervisor")
 
 HEALTH_POLL_S = 0.25
+DRAIN_SETTLE_S = 1.0  # a stop waits this long before it asks a backend for its requests in flight
+DRAIN_POLL_S = 0.25
+DRAIN_ASK_TIMEOUT_S = 2.0
 HEALTH_POLL_FAST_S = 0.05  # for the first seconds: small models are up in well under one
 FAST_POLL_FOR_S = 10
 WARMUP_TIMEOUT_S = 120
@@ -139,6 +141,7 @@ class BackendRun:
     adapter: BackendAdapter | None = None
     plan: LaunchPlan | None = None
     port: int | None = None
+    picked_port: int | None = None  # chosen, the process not started yet: no other launch may take it
     host: str = "127.0.0.1"
     process: BackendProcess | None = None
     adopted: bool = False
@@ -176,11 +179,11 @@ class Supervisor(AgentWorker):
     def __init__(self) -> None:
         self.runs: dict[int, BackendRun] = {}
         self.http: httpx.AsyncClient | None = None
-        self.agent: NodeAgent | None = None
+        self.agent: Agent | None = None
         self.closing = False
 
     # ------------------------------------------------------------ agent hooks
-    async def start(self, agent: NodeAgent) -> None:
+    async def start(self, agent: Agent) -> None:
         self.agent = agent
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(10.0, connect=2.0), trust_env=False)
         await self.adopt_or_stop_orphans()
@@ -192,7 +195,7 @@ class Supervisor(AgentWorker):
         if waits:
             await asyncio.gather(*waits)
 
-    async def run(self, agent: NodeAgent) -> None:
+    async def run(self, agent: Agent) -> None:
         while True:
             try:
                 await self.reconcile()
@@ -200,16 +203,19 @@ class Supervisor(AgentWorker):
                 log.exception("reconcile failed; retrying")
             await agent.wait_for_nudge(settings.RECONCILE_INTERVAL_S)
 
-    async def stop(self, agent: NodeAgent) -> None:
+    async def stop(self, agent: Agent) -> None:
         """Stop every backend this agent runs. Autostart instances start again with the next agent;
         the others stay stopped (an on_demand one goes back to IDLE, started by the next request)."""
         self.closing = True
         if agent.displaced is not None:
             await self._abandon(agent)
             return
+        await self.move_off(agent)
+        await self.drain()
         try:
-            rows = await _db(lambda: {pk: (auto, policy) for pk, auto, policy in ModelInstance.objects.filter(
-                pk__in=list(self.runs)).values_list("pk", "autostart", "policy")})()
+            rows = await _db(lambda: {pk: (auto, policy, desired, message) for pk, auto, policy, desired, message
+                                      in ModelInstance.objects.filter(pk__in=list(self.runs)).values_list(
+                                          "pk", "autostart", "policy", "desired_state", "state_message")})()
         except Exception:  # the database is down: stop everything, keep what the rows say
             log.warning("could not read which instances autostart; all are stopped as they are", exc_info=True)
             rows = {}
@@ -218,8 +224,10 @@ class Supervisor(AgentWorker):
             if run.stopper is not None:
                 stops.append(run.stopper)
                 continue
-            autostart, policy = rows.get(pk, (True, Policy.ALWAYS))
-            if autostart:
+            autostart, policy, desired, message = rows.get(pk, (True, Policy.ALWAYS, DesiredState.RUNNING, ""))
+            if desired == DesiredState.STOPPED:  # moved to another node (move_off), or unloaded meanwhile
+                stops.append(self.stop_instance(pk, message or "node agent stopped"))
+            elif autostart:
                 stops.append(self.stop_instance(pk, "node agent stopped (autostart: starts with the next agent)",
                                                 keep_desired=True))
             elif policy == Policy.ON_DEMAND:
@@ -232,7 +240,100 @@ class Supervisor(AgentWorker):
         if self.http is not None:
             await self.http.aclose()
 
-    async def _abandon(self, agent: NodeAgent) -> None:
+    async def move_off(self, agent: Agent) -> None:
+        """A stop drains the node (issue 31 #4): before its backends leave routing, the replicas it
+        serves that the desired counts still want are placed on the other online nodes, as an
+        offline node's are (serving.control.relocation); the ones placed are stopped here after their
+        drain and stay stopped when an agent comes back. Nothing fits elsewhere: they stay as the
+        rest (autostart, on_demand and the others, below)."""
+        try:
+            node = await _db(lambda: Node.objects.filter(name=agent.name).first())()
+            others = await _db(lambda: Node.fresh().exclude(name=agent.name).exists())()
+            if node is None or not others:  # one node (the embedded mode): nowhere to move to
+                return
+            moved = await _db(relocate)(node, why="draining (its agent got SIGTERM)", out_of_routing=False)
+        except Exception:
+            log.warning("could not move this node's models to other nodes", exc_info=True)
+            return
+        for m in moved:
+            log.info("draining: %s (instance %s) moved to %s (instance %s)", m.model_name, m.old.pk,
+                     m.new.node.name, m.new.pk)
+
+    async def drain(self) -> None:
+        """A stop's first step (SIGTERM: a deleted pod, a rolling update, `systemctl stop`): each READY
+        backend leaves routing (UNLOADING: web processes send it nothing new) and gets up to
+        XGEN_SHUTDOWN_GRACE_S to finish the requests it is answering, as its engine counts them
+        (llama-server's /slots, vLLM's /metrics; one that cannot say is not waited for)."""
+        candidates = {pk: run for pk, run in self.runs.items() if run.stopper is None and not run.stopping
+                      and run.port and run.adapter is not None and run.adapter.busy_path and not run.exited()}
+        if not candidates or self.http is None:
+            return
+        try:
+            ready = set(await _db(lambda: list(ModelInstance.objects.filter(
+                pk__in=list(candidates), state=InstanceState.READY).values_list("pk", flat=True)))())
+        except Exception:
+            log.warning("could not read which backends are READY; stopping without draining", exc_info=True)
+            return
+        pending = {pk: run for pk, run in candidates.items() if pk in ready}
+        if not pending:
+            return
+        await asyncio.gather(*(self._record(pk, ModelInstance.mark_unloading,
+                                            "node agent stopping: finishing the requests in flight")
+                               for pk in pending))
+        started = time.monotonic()
+        deadline = started + settings.SHUTDOWN_GRACE_S
+        await asyncio.sleep(min(DRAIN_SETTLE_S, settings.SHUTDOWN_GRACE_S))  # a request routed just before
+        while pending and time.monotonic() < deadline:
+            counts = await asyncio.gather(*(self._in_flight(run) for run in pending.values()))
+            for (pk, run), count in zip(list(pending.items()), counts, strict=True):
+                if not count or run.exited():  # 0, or the engine cannot say (None)
+                    pending.pop(pk)
+            if pending:
+                await asyncio.sleep(DRAIN_POLL_S)
+        waited = time.monotonic() - started
+        if pending:
+            log.warning("stopping with requests still in flight on instances %s after %.0f s (XGEN_SHUTDOWN_GRACE_S)",
+                        sorted(pending), waited)
+        else:
+            log.info("the node's backends finished their requests in flight (%.1f s)", waited)
+
+    async def _drain_and_stop(self, run: BackendRun, until) -> None:
+        """A replica scaled down (issue 30): out of routing already (UNLOADING), it finishes the
+        requests it is answering, then stops; at `until` it stops whatever is left."""
+        waited, left = await self._drained(run, until, while_desired=DesiredState.STOPPED)
+        await self.stop_instance(run.instance_id, f"scaled down: drained in {waited:.1f} s{left}")
+
+    async def _drained(self, run: BackendRun, until, *, while_desired: str) -> tuple[float, str]:
+        """Wait until the backend answers no request, as its engine counts them and as the web
+        processes report them (their InFlightReport, written each ACTIVITY_FLUSH_S), at most until
+        `until` (or until its desired state is no longer `while_desired`): (seconds, "" or why)."""
+        deadline = time.monotonic() + max(0.0, (until - timezone.now()).total_seconds())
+        started = time.monotonic()
+        # A request routed just before the replica left routing is in the web processes' reports
+        # once each has flushed after it began (a process with requests in flight writes every
+        # ACTIVITY_FLUSH_S): wait for the routing push and one flush before believing a 0.
+        settle = DRAIN_SETTLE_S + settings.ACTIVITY_FLUSH_S
+        await asyncio.sleep(min(settle, max(0.0, deadline - started)))
+        while time.monotonic() < deadline and not run.exited():
+            engine = await self._in_flight(run) if run.port and run.adapter and run.adapter.busy_path else None
+            inst = await db_get(run.instance_id)
+            if inst is None or inst.desired_state != while_desired:
+                break
+            if not engine and not await _db(has_requests_in_flight)(inst):
+                break
+            await asyncio.sleep(DRAIN_POLL_S)
+        waited = time.monotonic() - started
+        return waited, "" if time.monotonic() < deadline else "; drain timeout reached"
+
+    async def _in_flight(self, run: BackendRun) -> int | None:
+        try:
+            r = await self.http.get(f"http://{url_host(run.host)}:{run.port}{run.adapter.busy_path}", headers=run.headers,
+                                    timeout=DRAIN_ASK_TIMEOUT_S)
+        except httpx.HTTPError:
+            return None
+        return run.adapter.requests_in_flight(r.content) if r.status_code == 200 else None
+
+    async def _abandon(self, agent: Agent) -> None:
         """Another agent took the node: its rows are the new holder's, so none is written here.
         On the same host the new agent adopted (or stopped) these backends already: leave them;
         on another host they are orphans that would hold this host's memory: kill them."""
@@ -283,7 +384,9 @@ class Supervisor(AgentWorker):
             if run is not None and run.stopper is not None:
                 continue  # being stopped
             if inst.desired_state == DesiredState.STOPPED:
-                if run is not None:
+                if run is not None and inst.drain_until is not None and inst.drain_until > timezone.now():
+                    run.stopper = asyncio.create_task(self._drain_and_stop(run, inst.drain_until))
+                elif run is not None:
                     run.stopper = asyncio.create_task(self.stop_instance(inst.pk, "unload requested"))
                 elif inst.state in ACTIVE_STATES:
                     await self._record(inst.pk, ModelInstance.mark_stopped, "unloaded")
@@ -320,7 +423,14 @@ class Supervisor(AgentWorker):
 
     async def _restart(self, instance_id: int) -> None:
         await _db(lambda: ModelInstance.objects.filter(pk=instance_id).update(restart_requested=False))()
-        await self.stop_instance(instance_id, "restart requested", keep_desired=True)
+        inst = await db_get(instance_id)
+        run = self.runs.get(instance_id)
+        reason = "restart requested"
+        if inst is not None and run is not None and inst.drain_until is not None and inst.drain_until > timezone.now():
+            # A rolling restart (issue 30 #4): out of routing already, its requests finish first.
+            waited, left = await self._drained(run, inst.drain_until, while_desired=DesiredState.RUNNING)
+            reason = f"rolling restart: drained in {waited:.1f} s{left}"
+        await self.stop_instance(instance_id, reason, keep_desired=True)
         inst = await db_get(instance_id)
         if inst is not None and inst.desired_state == DesiredState.RUNNING and not self.closing:
             inst = await db_mark(instance_id, ModelInstance.mark_pending, "restarting", restarts=0)
@@ -411,7 +521,7 @@ class Supervisor(AgentWorker):
             plan = run.plan = await _db(plan_for_instance)(inst)
             run.adapter, run.host = get_adapter(plan.backend), plan.host
             model_file = await self._resolve_model(run, plan)
-            port = await self._pick_port(inst)
+            port = run.picked_port = await self._pick_port(inst)
             # A new secret per launch: the backend answers no one who does not send it.
             secret, key_file = secrets.token_urlsafe(32), backend_key_file(inst.pk)
             argv = plan.command(port=port, model=model_file, python=sys.executable, key_file=key_file)
@@ -527,7 +637,8 @@ class Supervisor(AgentWorker):
         taken = set(await _db(lambda: list(ModelInstance.objects.filter(
             node__address=inst.node.address, state__in=ACTIVE_STATES, port__isnull=False,
         ).exclude(pk=inst.pk).values_list("port", flat=True)))())
-        taken |= {r.port for pk, r in self.runs.items() if pk != inst.pk and r.port}
+        # Replicas launched together (issue 30): a port picked by another launch that has not yet spawned.
+        taken |= {p for pk, r in self.runs.items() if pk != inst.pk for p in (r.port, r.picked_port) if p}
         try:
             return pick_port(taken=taken, prefer=inst.port, spread_by=self.agent.name)
         except PlacementError as exc:
@@ -580,18 +691,13 @@ class Supervisor(AgentWorker):
 
     async def _wait_healthy(self, run: BackendRun, timeout: float) -> str:
         """'ok' once the backend's own health answers; else why not (exited / timed out)."""
-        url = f"http://{url_host(run.host)}:{run.port}{run.adapter.health_path}"
         started = time.monotonic()
         deadline = started + timeout
         while time.monotonic() < deadline:
             if run.exited():
                 return "exited"
-            try:
-                r = await self.http.get(url, timeout=2.0, headers=run.headers)
-                if r.status_code == 200 and await asyncio.to_thread(listener_is_ours, run.process.pgid, run.port):
-                    return "ok"
-            except httpx.HTTPError:
-                pass
+            if await self._healthy(run, timeout=2.0):
+                return "ok"
             # A ready line in the log only makes the next poll come sooner.
             hint = run.tailer.ready_hint
             with contextlib.suppress(TimeoutError):
@@ -600,6 +706,16 @@ class Supervisor(AgentWorker):
                     await hint.wait()
             hint.clear()
         return f"{run.adapter.label} did not answer {run.adapter.health_path} within {timeout:g} s"
+
+    async def _healthy(self, run: BackendRun, *, timeout: float) -> bool:
+        """The one health probe: the backend's own health route answers 200, and the port's listener
+        is of the backend's process group (not another process that took the port)."""
+        try:
+            r = await self.http.get(f"http://{url_host(run.host)}:{run.port}{run.adapter.health_path}",
+                                    timeout=timeout, headers=run.headers)
+        except httpx.HTTPError:
+            return False
+        return r.status_code == 200 and await asyncio.to_thread(listener_is_ours, run.process.pgid, run.port)
 
     async def _warm_up(self, run: BackendRun) -> str | None:
         path, body = run.adapter.warmup_request(run.plan)
@@ -736,15 +852,7 @@ class Supervisor(AgentWorker):
             run = BackendRun(instance_id=inst.pk, adapter=adapter, plan=plan, port=inst.port,
                              host=plan.host if plan else bind_host(inst.node.address),
                              process=BackendProcess(pid=pid, pgid=pgid), adopted=True, secret=inst.backend_key)
-            healthy = False
-            if inst.state == InstanceState.READY:
-                try:
-                    r = await self.http.get(f"http://{url_host(run.host)}:{inst.port}{adapter.health_path}",
-                                            timeout=3.0, headers=run.headers)
-                    healthy = r.status_code == 200 and await asyncio.to_thread(listener_is_ours, pgid, inst.port)
-                except httpx.HTTPError:
-                    healthy = False
-            if healthy:
+            if inst.state == InstanceState.READY and await self._healthy(run, timeout=3.0):
                 self.runs[inst.pk] = run
                 self._start_tailer(run, current_log(inst.pk), from_start=False)
                 await db_mark(inst.pk, ModelInstance.mark_ready, f"adopted after an agent restart (pid {pid})",

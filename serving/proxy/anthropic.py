@@ -391,12 +391,12 @@ class Translation:
         async with contextlib.aclosing(reply.chunks()) as stream:
             async for chunk in stream:
                 out: list[bytes] = []
-                for data in _events(chunk):
-                    if data == "[DONE]":
+                for payload in _events(chunk):
+                    if payload == "[DONE]":
                         out += translator.finish()
                         continue
                     try:
-                        event = json.loads(data)
+                        event = json.loads(payload)
                     except ValueError:
                         continue
                     if isinstance(event, dict) and "error" in event and "choices" not in event:

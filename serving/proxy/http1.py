@@ -28,11 +28,18 @@ import select
 import socket
 import struct
 import time
+from collections.abc import AsyncGenerator
+from typing import cast
 from urllib.parse import quote
 
 import httptools
 
-KEEPALIVE_S = 30.0
+# An idle pooled connection is reused for at most this long: under the 5 s after which the engines
+# close an idle keep-alive connection (llama-server's cpp-httplib, and uvicorn under
+# llama-cpp-python and vLLM). Reused closer to their close, a request can cross the backend's FIN
+# on the wire; its bytes may be acknowledged before the close, so it cannot be proven unread and
+# is not sent again (a 502). A new loopback/LAN connection costs well under a millisecond.
+KEEPALIVE_S = 4.0
 READ_HIGH = 1 << 20  # unread answer bytes past which the connection stops reading (until they are taken)
 MAX_HEAD_BYTES = 64 * 1024  # an answer's head (interim 1xx heads included); more is refused
 MAX_HEADERS = 100  # header (or trailer) fields in one answer
@@ -133,7 +140,7 @@ class Response:
         self._size = 0
         self._complete = False
         self._error: UpstreamError | None = None
-        self._waiter: asyncio.Future | None = None
+        self._waiter: asyncio.Future[None] | None = None
 
     # -- fed by the connection
     def _feed(self, data: bytes) -> None:
@@ -176,7 +183,7 @@ class Response:
         finally:
             self._waiter = None
 
-    async def iter_any(self):
+    async def iter_any(self) -> AsyncGenerator[bytes, None]:
         """The body's bytes as they arrive (what came since the last step, joined)."""
         while True:
             if self._chunks:
@@ -224,12 +231,12 @@ class _Connection(asyncio.Protocol):
 
     def __init__(self, pool: _HostPool) -> None:
         self.pool = pool
-        self.transport: asyncio.Transport | None = None
+        self.transport: asyncio.Transport  # set by connection_made, before create_connection returns it
         self.parser = httptools.HttpResponseParser(self)
         self.closed = False
         self.paused = False
         self.idle_since = 0.0
-        self.waiter: asyncio.Future | None = None  # the next answer's headers
+        self.waiter: asyncio.Future[Response] | None = None  # the next answer's headers
         self.response: Response | None = None
         self.received = False  # any byte of the current answer
         self.body_bytes = 0  # of the current answer's body
@@ -245,8 +252,8 @@ class _Connection(asyncio.Protocol):
         self._headers: list[tuple[bytes, bytes]] = []
 
     # -- asyncio
-    def connection_made(self, transport: asyncio.Transport) -> None:
-        self.transport = transport
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # a TCP connection's
         sock = transport.get_extra_info("socket")
         if sock is not None:
             _keepalive(sock)
@@ -305,7 +312,9 @@ class _Connection(asyncio.Protocol):
         tcpi_bytes_acked, which counts the SYN as one): then the backend closed before the request
         reached it. Read while the socket is still open (asyncio closes it after connection_lost);
         where it cannot be read, nothing is proven."""
-        sock = self.transport.get_extra_info("socket") if self.transport is not None else None
+        sock = self.transport.get_extra_info("socket")
+        if sock is None:
+            return False
         try:
             raw = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
         except (AttributeError, OSError):

@@ -14,6 +14,10 @@ Daily and monthly quotas count prompt + completion tokens per UTC day and month,
 the usage buckets in the database (so a restart, or a Redis that lost its data, starts from what
 was written, not from zero).
 
+Teams (issue 26): a key's team has the same limits, counted over every key of the team: the team is
+a principal of its own (key id -team id, accounts.credentials.principal_for_team) cached inside the
+key's, admitted before the key and charged with it; its quotas start from the usage of all its keys.
+
 Over rpm/tpm: 429 `rate_limit_exceeded`; over a quota: 429 `insufficient_quota`; both with
 Retry-After. Every answer to a key with rpm or tpm carries OpenAI's x-ratelimit-* headers.
 A limiter that fails (Redis down) lets requests through and says so in the log.
@@ -50,6 +54,12 @@ class Verdict:
     headers: list[tuple[bytes, bytes]] = field(default_factory=list)
 
     def message(self, p: Principal) -> str:
+        if p.key_id < 0:  # a team's limits (accounts.credentials.principal_for_team)
+            if self.code == "insufficient_quota":
+                return (f"The team '{p.key_name}' has used its token quota (all its keys together); it renews in "
+                        f"{_duration(self.retry_after_s * 1000)}.")
+            return (f"Rate limit reached for the team '{p.key_name}' ({_limits_text(p)}, all its keys together); "
+                    f"try again in {_duration(self.retry_after_s * 1000)}.")
         if self.code == "insufficient_quota":
             return (f"This key has used its token quota; it renews in {_duration(self.retry_after_s * 1000)}.")
         return (f"Rate limit reached for this key ({_limits_text(p)}); try again in "
@@ -186,8 +196,13 @@ def decide(state: KeyState, *, now_ms: float, rpm: int, tpm: int, day_quota: int
     return [allowed, code, math.ceil(retry), r_rem, math.ceil(r_reset), t_rem, math.ceil(t_reset)]
 
 
+def _who(p: Principal) -> str:
+    return f"team {p.key_name!r}" if p.key_id < 0 else f"key {p.key_id}"
+
+
 class RateLimiter:
-    """admit() before a request is forwarded; charge() when its tokens are known (no I/O)."""
+    """admit() before a request is forwarded; charge() when its tokens are known (no I/O), to the
+    key and to its team. A team is a principal of key id -team id (its counters are keyed apart)."""
 
     def __init__(self, clock=time.time) -> None:
         self._clock = clock
@@ -205,7 +220,7 @@ class RateLimiter:
     async def _seed(self, p: Principal, period: str, since: datetime, *, refresh: bool) -> int | None:
         """The tokens a key had used in `period` by the last write (plus this process's unwritten);
         None when the database cannot say (the quota is not checked then: fail open, like Redis)."""
-        from serving.usage import recorder, tokens_used
+        from serving.proxy.usage import recorder, tokens_used
 
         cached = self._seeds.get((p.key_id, period))
         if cached is not None and not (refresh and time.monotonic() - cached[1] > SEED_REFRESH_S):
@@ -214,20 +229,21 @@ class RateLimiter:
             asyncio.get_running_loop().create_task(self._reseed(p, period, since))
             return cached[0]
         try:
-            used = await run_db(tokens_used, p.key_id, since)
+            used, key_ids = await run_db(tokens_used, p.key_id, since)
         except Exception as exc:
-            log.warning("token quota of key %s not checked: its usage could not be read (%s)", p.key_id, exc)
+            log.warning("token quota of %s not checked: its usage could not be read (%s)", _who(p), exc)
             return None
-        used += recorder.pending_tokens(p.key_id, since.timestamp())
+        used += recorder.pending_tokens(key_ids, since.timestamp())
         self._seeds[(p.key_id, period)] = (used, time.monotonic())
         return used
 
     async def _reseed(self, p: Principal, period: str, since: datetime) -> None:
-        from serving.usage import recorder, tokens_used
+        from serving.proxy.usage import recorder, tokens_used
 
         self._seeds[(p.key_id, period)] = (self._seeds[(p.key_id, period)][0], time.monotonic())
         with contextlib.suppress(Exception):
-            used = await run_db(tokens_used, p.key_id, since) + recorder.pending_tokens(p.key_id, since.timestamp())
+            used, key_ids = await run_db(tokens_used, p.key_id, since)
+            used += recorder.pending_tokens(key_ids, since.timestamp())
             self._seeds[(p.key_id, period)] = (used, time.monotonic())
 
 
@@ -263,6 +279,8 @@ class LocalLimiter(RateLimiter):
         return _verdict(p, raw)
 
     def charge(self, p: Principal, tokens: int) -> None:
+        if p.team is not None:
+            self.charge(p.team, tokens)
         if tokens <= 0 or not (p.tpm or p.daily_tokens or p.monthly_tokens):
             return
         state = self._state.get(p.key_id)
@@ -397,6 +415,8 @@ class RedisLimiter(RateLimiter):
         return _verdict(p, raw)
 
     def charge(self, p: Principal, tokens: int) -> None:
+        if p.team is not None:
+            self.charge(p.team, tokens)
         if tokens <= 0 or not (p.tpm or p.daily_tokens or p.monthly_tokens):
             return
         _, before = self._pending.get(p.key_id, (p, 0))

@@ -61,6 +61,9 @@ QUEUE_WAIT = Histogram(
     "xgen_queue_wait_seconds", "Time a request waited in its model's queue", ["model"],
     buckets=(0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
 QUEUE_REJECTED = Counter("xgen_queue_rejected", "Requests refused with 429 queue_full", ["model"])
+ADMISSION_REDIS_FALLBACK = Counter(
+    "xgen_admission_redis_fallback",
+    "Requests admitted by this process's own queue (or refused) because Redis failed (cluster mode)", ["mode"])
 
 
 

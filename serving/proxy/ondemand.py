@@ -1,7 +1,7 @@
 """On-demand models in the proxy (issue 13): cold starts, the per-model queue, and the record of
 when each model was last asked for.
 
-- A request for a model whose replicas are all IDLE starts one (serving.services.request_cold_start:
+- A request for a model whose replicas are all IDLE starts one (serving.control.starts.start_idle:
   desired RUNNING in the database, the node nudged, exactly like a click), once per model however
   many requests wait in this process, and waits for READY by reading the row. Other web processes
   that see the instance already starting only wait.
@@ -9,11 +9,13 @@ when each model was last asked for.
   the rest wait in a queue, by the keys' priority (higher first), then round robin among the
   keys waiting (ModelGate), at most XGEN_QUEUE_MAX long and XGEN_QUEUE_TIMEOUT_S each: beyond
   either, 429 queue_full (a full queue first makes room for a key holding fewer places than the
-  one holding the most). The queue is this process's: with several web processes each admits
-  max_concurrency.
+  one holding the most). In embedded mode the queue is this process's; in cluster mode
+  (REDIS_URL) it and max_concurrency are the cluster's (serving.proxy.cluster_admission).
 - The last request time of on_demand instances goes to the database every ACTIVITY_FLUSH_S
   (instances with requests open count as used), off the request path; the node's supervisor
-  unloads on it, and eviction orders by it.
+  unloads on it, and eviction orders by it. In the same flush, the requests in flight per
+  replica and queued per model (InFlightReport, issue 30): the autoscaler's load, what a replica
+  scaled down waits for, and what eviction never takes.
 """
 from __future__ import annotations
 
@@ -23,6 +25,8 @@ import heapq
 import itertools
 import logging
 import math
+import os
+import socket
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -33,6 +37,13 @@ from accounts.credentials import Principal
 from live.db import run_db
 from live.tasks import cancel_and_wait
 from serving.proxy import metrics
+from serving.proxy.cluster_admission import (
+    AdmissionUnavailable,
+    ClusterAdmission,
+    cluster_admission,
+    unavailable_error,
+)
+from serving.proxy.cluster_admission import current as _shared_admission
 from serving.proxy.errors import ProxyError
 from serving.proxy.replicas import Backend, RoutingSnapshot, Standby, routing_table
 
@@ -51,6 +62,7 @@ class Activity:
     def __init__(self) -> None:
         self._touched: dict[int, float] = {}
         self._task: asyncio.Task | None = None
+        self._reported: set[str] = set()  # models last reported with a load (written once more at 0)
 
     def touch(self, backend: Backend) -> None:
         if backend.policy == "on_demand":
@@ -81,6 +93,28 @@ class Activity:
                 for pk, at in touched.items():
                     self._touched.setdefault(pk, at)
                 raise
+        await self.report_load()
+
+    async def report_load(self) -> None:
+        """This process's requests in flight (per replica) and queued per model (issue 30): what the
+        autoscaler sums, and what a replica being drained or a start's eviction looks at (a replica
+        that left routing still counts until its requests end). Models with a load are written,
+        and once more at 0 those that had one."""
+        loads: dict[str, tuple[int, int, dict[str, int]]] = {}
+        for backend in routing_table.backends():
+            if backend.in_flight > 0:
+                flying, queued, per = loads.get(backend.model_name, (0, 0, {}))
+                per[str(backend.instance_id)] = per.get(str(backend.instance_id), 0) + backend.in_flight
+                loads[backend.model_name] = (flying + backend.in_flight, queued, per)
+        for model, gate in list(_gates.items()):
+            if gate.waiting:
+                flying, _, per = loads.get(model, (0, 0, {}))
+                loads[model] = (flying, gate.waiting, per)
+        for model in self._reported - set(loads):
+            loads[model] = (0, 0, {})
+        if loads:
+            await run_db(_write_reports, PROCESS, loads)
+        self._reported = {model for model, (flying, queued, _) in loads.items() if flying or queued}
 
     async def stop(self) -> None:
         task, self._task = self._task, None
@@ -96,6 +130,18 @@ def _write_activity(touched: dict[int, float]) -> None:
         ModelInstance.objects.filter(pk=pk).update(last_request_at=datetime.fromtimestamp(at, UTC))
 
 
+def _write_reports(process: str, loads: dict[str, tuple[int, int, dict[str, int]]]) -> None:
+    from django.utils import timezone
+
+    from serving.models import InFlightReport
+
+    now = timezone.now()
+    for model, (flying, queued, per) in loads.items():
+        InFlightReport.objects.update_or_create(process=process, model_name=model, defaults={
+            "in_flight": flying, "queued": queued, "instances": per, "at": now})
+
+
+PROCESS = f"{socket.gethostname()}:{os.getpid()}"
 activity = Activity()
 
 
@@ -133,9 +179,9 @@ def cold_start_timeout(standby: list[Standby]) -> float:
 
 def _start_one(ids: list[int]) -> tuple[int | None, str]:
     """Start the first IDLE instance of `ids` unless one of them is on its way up already."""
-    from serving.capacity import NoRoom
+    from serving.control.capacity import NoRoom
+    from serving.control.starts import start_idle
     from serving.models import ACTIVE_STATES, DesiredState, ModelInstance
-    from serving.services import request_cold_start
 
     rows = list(ModelInstance.objects.filter(pk__in=ids).order_by("pk").values_list("pk", "state", "desired_state"))
     for pk, state, desired in rows:
@@ -144,7 +190,7 @@ def _start_one(ids: list[int]) -> tuple[int | None, str]:
     for pk, state, _ in rows:
         if state == "IDLE":
             try:
-                inst = request_cold_start(instance_id=pk)
+                inst = start_idle(instance_id=pk)
             except NoRoom as exc:
                 raise ProxyError(503, f"{exc.message}.", code="insufficient_capacity",
                                  headers=[(b"retry-after", b"5")]) from None
@@ -254,6 +300,19 @@ class Slot:
 
 
 NO_SLOT = Slot(gate=None)
+
+
+@dataclass
+class ClusterSlot(Slot):
+    """A slot leased in Redis (cluster mode): released through the process's ClusterAdmission."""
+    shared: ClusterAdmission | None = None
+    key: str = ""
+    lease: str = ""
+
+    def release(self) -> None:
+        if self.shared is not None and not self.released:
+            self.released = True
+            self.shared.release(self.key, self.lease)
 
 
 @dataclass(eq=False)
@@ -388,9 +447,14 @@ _gates: dict[str, ModelGate] = {}
 
 def capacity_of(backends: list[Backend]) -> int | None:
     """Requests the replicas serve at once (None: no limit, no queue)."""
-    if not backends or any(b.max_concurrency is None for b in backends):
+    if not backends:
         return None
-    return sum(int(b.max_concurrency) for b in backends)
+    total = 0
+    for b in backends:
+        if b.max_concurrency is None:
+            return None
+        total += b.max_concurrency
+    return total
 
 
 async def admit(model: str, backends: list[Backend], priority: int, owner: str = "") -> Slot:
@@ -399,6 +463,18 @@ async def admit(model: str, backends: list[Backend], priority: int, owner: str =
     capacity = capacity_of(backends)
     if capacity is None:
         return NO_SLOT
+    shared = cluster_admission()
+    if shared is not None:  # cluster mode: the slots and the queue are the cluster's, in Redis
+        if _closing[0]:
+            raise _shutting_down()
+        try:
+            key, lease = await shared.acquire(model, capacity, priority)
+            return ClusterSlot(gate=None, shared=shared, key=key, lease=lease)
+        except AdmissionUnavailable:
+            mode = settings.ADMISSION_ON_REDIS_ERROR
+            metrics.ADMISSION_REDIS_FALLBACK.labels(mode).inc()
+            if mode == "refuse":
+                raise unavailable_error() from None
     gate = _gates.get(model)
     if gate is None:
         gate = _gates[model] = ModelGate(model)
@@ -426,7 +502,9 @@ def close_queues() -> int:
     their waiting for slots that the streams in flight hold until the server's grace runs out.
     Returns how many were waiting."""
     _closing[0] = True
-    return sum(gate.close() for gate in list(_gates.values()))
+    shared = _shared_admission()
+    return (shared.close_waiters(_shutting_down()) if shared is not None else 0) + sum(
+        gate.close() for gate in list(_gates.values()))
 
 
 def shutting_down() -> bool:
@@ -436,4 +514,5 @@ def shutting_down() -> bool:
 
 def queue_depth(model: str) -> int:
     gate = _gates.get(model)
-    return gate.waiting if gate else 0
+    shared = _shared_admission()
+    return (gate.waiting if gate else 0) + (shared.waiting(model) if shared is not None else 0)

@@ -1,7 +1,7 @@
 """Which backends serve which model: an in-memory table the proxy reads on every request.
 
 No request waits for the database once a process has its first table: the table is re-read in
-the background, at once when an instance changes state anywhere (serving.events pushes a
+the background, at once when an instance changes state anywhere (serving.control.events pushes a
 `routing.changed` message over the channel layer to every web process) and every REFRESH_S as a
 safety net (a lost message, a node whose heartbeat went stale, rows written by hand). Requests
 always read the current snapshot. `invalidate()` makes the next request wait for a fresh read
@@ -22,6 +22,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from django.conf import settings
 
@@ -53,7 +54,11 @@ class Backend:
     policy: str = "always"
     max_concurrency: int | None = None
     first_byte_timeout_s: int | None = None  # the instance's own wait for an answer's first byte (None: the setting)
+    replica: int = 0
+    gpus: tuple[int, ...] = ()
     secret: str = field(default="", repr=False)  # the bearer token the backend requires (its instance's row)
+    # LoRA adapters loaded with the model (issue 27): ((name, scale), ...) in the engine's order (its ids)
+    adapters: tuple[tuple[str, float], ...] = ()
 
     @property
     def key(self) -> tuple[int, str]:
@@ -90,20 +95,28 @@ class RoutingSnapshot:
     by_type: dict[str, list[Backend]] = field(default_factory=dict)
     known_names: frozenset[str] = frozenset()
     aliases: dict[str, str] = field(default_factory=dict)  # alias -> served name
+    adapters: dict[str, str] = field(default_factory=dict)  # "<model>:<adapter>" -> the model serving it
     # on_demand instances not READY (IDLE, or on their way up or down), by served name: what a
     # request starts, and what /v1/models lists as idle or loading.
     standby: dict[str, list[Standby]] = field(default_factory=dict)
 
     def served_name(self, name: str) -> str:
-        """The served name a `model` stands for (itself unless it is an alias)."""
-        return self.aliases.get(name, name)
+        """The served name a `model` stands for (itself unless it is an alias or an adapter's)."""
+        return self.aliases.get(name) or self.adapters.get(name) or name
 
     @property
     def backends(self) -> list[Backend]:
         return [b for group in self.by_name.values() for b in group]
 
 
-def _read_rows(paused_s: float = 0.0) -> tuple[list[dict], set[str], list[dict]]:
+def adapter_names(model_name: str, adapters: object) -> list[str]:
+    """The served names of a model's LoRA adapters: `<model_name>:<adapter>`."""
+    if not isinstance(adapters, list):
+        return []
+    return [f"{model_name}:{a['name']}" for a in adapters if isinstance(a, dict) and isinstance(a.get("name"), str)]
+
+
+def _read_rows(paused_s: float = 0.0) -> tuple[list[dict[str, Any]], set[str], list[dict[str, Any]]]:
     """The READY instances on fresh nodes, the names of all instances active, IDLE or meant to run,
     and the on_demand instances that are not READY. `paused_s`: seconds of a database outage just
     over, not counted in a heartbeat's age (none could be written then)."""
@@ -121,21 +134,24 @@ def _read_rows(paused_s: float = 0.0) -> tuple[list[dict], set[str], list[dict]]
         ModelInstance.objects.filter(state=InstanceState.READY, node__in=fresh, port__isnull=False)
         .order_by("pk")
         .values("pk", "model_name", "aliases", "type", "backend", "port", "node__name", "node__address",
-                "ready_at", "created_at", "policy", "max_concurrency", "first_byte_timeout_s", "backend_key")
+                "ready_at", "created_at", "policy", "max_concurrency", "first_byte_timeout_s", "backend_key",
+                "replica", "gpus", "adapters")
     )
     standby = list(
         ModelInstance.objects.filter(policy="on_demand", state__in=(*ACTIVE_STATES, InstanceState.IDLE))
         .exclude(state=InstanceState.READY, node__in=fresh, port__isnull=False)
-        .order_by("pk").values("pk", "model_name", "aliases", "type", "backend", "node__name", "state", "created_at"))
+        .order_by("pk").values("pk", "model_name", "aliases", "type", "backend", "node__name", "state", "created_at",
+                               "adapters"))
     # Known = some instance holds the name or is meant to run: 503 no_backend while it is
     # not READY (loading, restarting after a crash, node offline), 404 only for the rest.
     names: set[str] = set()
-    for name, aliases in (
+    for name, aliases, adapters in (
             ModelInstance.objects.filter(Q(state__in=(*ACTIVE_STATES, InstanceState.IDLE))
                                          | Q(desired_state=DesiredState.RUNNING))
-            .values_list("model_name", "aliases")):
+            .values_list("model_name", "aliases", "adapters")):
         names.add(name)
         names.update(aliases or [])  # an alias of a loading model answers 503 like its name
+        names.update(adapter_names(name, adapters))
     return rows, names, standby
 
 
@@ -146,12 +162,13 @@ class RoutingTable:
         self._snapshot: RoutingSnapshot | None = None
         self._fresh = False
         self._loaded_at = 0.0
-        self._refresh: asyncio.Task | None = None
+        self._refresh: asyncio.Task[RoutingSnapshot] | None = None
         self._unavailable: str | None = None  # why the last refresh failed while the database is down
         self._backends: dict[tuple[int, str], Backend] = {}
+        self._leaving: dict[tuple[int, str], Backend] = {}  # out of the table, requests still in flight
         self._turn = itertools.count()
         self._listen = listen
-        self._listener: asyncio.Task | None = None
+        self._listener: asyncio.Task[None] | None = None
         # The staleness clock stops while the database is away (see the module's docstring).
         self._read_ok_at = 0.0  # monotonic: the start of the last read that succeeded
         self._outage_from: float | None = None  # monotonic: since when reads fail (None: they do not)
@@ -216,7 +233,7 @@ class RoutingTable:
 
     async def _background(self) -> None:
         """Re-read on every `routing.changed` message, and every REFRESH_S without one."""
-        from serving.events import ROUTING_GROUP
+        from serving.control.events import ROUTING_GROUP
 
         listener = GroupListener(ROUTING_GROUP)
         while True:
@@ -260,6 +277,8 @@ class RoutingTable:
             snap.standby.setdefault(entry.model_name, []).append(entry)
             for alias in entry.aliases:
                 snap.aliases.setdefault(alias, entry.model_name)
+            for served in adapter_names(entry.model_name, row.get("adapters")):
+                snap.adapters.setdefault(served, entry.model_name)
         kept: dict[tuple[int, str], Backend] = {}
         for row in rows:
             base = f"http://{row['node__address']}:{row['port']}"
@@ -277,11 +296,21 @@ class RoutingTable:
             backend.max_concurrency = row.get("max_concurrency")
             backend.first_byte_timeout_s = row.get("first_byte_timeout_s")
             backend.secret = row.get("backend_key") or ""  # a new one with each launch of the instance
+            backend.replica = int(row.get("replica") or 0)
+            backend.gpus = tuple(g for g in (row.get("gpus") or []) if isinstance(g, int))
             for alias in backend.aliases:
                 snap.aliases.setdefault(alias, backend.model_name)
+            backend.adapters = tuple((a["name"], float(a.get("scale", 1.0))) for a in row.get("adapters") or []
+                                     if isinstance(a, dict) and isinstance(a.get("name"), str))
+            for served in adapter_names(backend.model_name, row.get("adapters")):
+                snap.adapters.setdefault(served, backend.model_name)
             kept[key] = backend
             snap.by_name.setdefault(backend.model_name, []).append(backend)
             snap.by_type.setdefault(backend.type, []).append(backend)
+        # A replica that left routing (scaled down, draining) while answering stays counted until
+        # its requests end: the activity flush reports it in flight (its supervisor waits on that).
+        self._leaving = {k: b for k, b in {**self._leaving, **self._backends}.items()
+                         if k not in kept and b.in_flight > 0}
         self._backends = kept
         self._snapshot = snap
         self._fresh = True
@@ -292,13 +321,13 @@ class RoutingTable:
         return snap
 
     def backends(self) -> list[Backend]:
-        """Every backend of the current table."""
-        return list(self._backends.values())
+        """Every backend of the current table, and those that left it with requests still in flight."""
+        return [*self._backends.values(), *(b for b in list(self._leaving.values()) if b.in_flight > 0)]
 
     def in_flight_by_instance(self) -> dict[int, int]:
         """Requests in flight per instance id, in this process."""
         counts: dict[int, int] = {}
-        for backend in list(self._backends.values()):
+        for backend in self.backends():
             counts[backend.instance_id] = counts.get(backend.instance_id, 0) + backend.in_flight
         return counts
 

@@ -30,11 +30,16 @@ GENERATION_SHAPES = frozenset({"chat", "completions", "messages", "responses", "
 FULL_PARSE_MAX = 64 << 20  # a body without a top-level usage member is parsed whole up to this size
 
 _decoder = json.JSONDecoder()
-_USAGE_KEY = b'"usage"'
+USAGE_KEY = b'"usage"'
 _AFTER_KEY = re.compile(rb"\s*:\s*")
 # An SSE chunk worth parsing: a usage object, or a native event's last (`"stop": true`).
 _HINT = re.compile(rb'"usage"\s*:\s*\{|"stop"\s*:\s*true')
-_DONE = re.compile(rb'(?m)^data:[ \t]*\[DONE\][ \t]*\r?$|"type"\s*:\s*"(?:message_stop|response\.completed)"')
+# A stream's last event: `data: [DONE]` on a line of its own, or a typed last event. Two patterns
+# that each start with a literal, so the engine skips ahead to it: as one alternation led by `^`
+# the search tried every byte (a 100-event chunk took 579 us, each of these 17-19 us).
+_DONE_LINE = re.compile(rb'data:[ \t]*\[DONE\][ \t]*\r?$', re.MULTILINE)
+_DONE_START = re.compile(rb'data:[ \t]*\[DONE\]')
+_DONE_TYPE = re.compile(rb'"type"\s*:\s*"(?:message_stop|response\.completed)"')
 # Events that carry generated text (a token each on llama.cpp's engines), per shape: the count of
 # a stream's tokens so far where the engine has not said (a client that left, a stream without usage).
 # llama.cpp's engines send an event per token even where its text is empty (a character split
@@ -107,10 +112,10 @@ def read_body(body: bytes) -> tuple[int | None, int | None]:
     """
     at = len(body)
     while True:
-        at = body.rfind(_USAGE_KEY, 0, at)
+        at = body.rfind(USAGE_KEY, 0, at)
         if at < 0:
             break
-        colon = _AFTER_KEY.match(body, at + len(_USAGE_KEY))
+        colon = _AFTER_KEY.match(body, at + len(USAGE_KEY))
         if colon is None:
             continue  # a string "usage", not a key
         try:
@@ -170,14 +175,15 @@ class StreamReader:
         if self.shape == "completions":
             self.streamed -= len(_FINISHED.findall(data))
         if self.shape == "native":  # every native event has the running figures
-            found = _NATIVE_PROMPT.findall(data)
-            if found:
-                self.prompt = int(found[-1])
-            found = _NATIVE_DONE.findall(data)
-            if found:
-                self.completion = int(found[-1])
-        if (b'"usage"' in data or b'"stop"' in data) and _HINT.search(data):  # `in` first: a byte scan
-            for payload in sse_payloads(data):
+            counts = _NATIVE_PROMPT.findall(data)
+            if counts:
+                self.prompt = int(counts[-1])
+            counts = _NATIVE_DONE.findall(data)
+            if counts:
+                self.completion = int(counts[-1])
+        tail = _from_hint(data)
+        if tail and _HINT.search(tail):
+            for payload in sse_payloads(tail):
                 if not _HINT.search(payload):
                     continue
                 try:
@@ -195,8 +201,8 @@ class StreamReader:
                     self.done = True
                 elif event.get("type") == "message_start":
                     self.started = True
-        if not self.done and (b"[DONE]" in data or b"message_stop" in data or b"response.completed" in data) \
-                and _DONE.search(data):
+        if not self.done and (b"[DONE]" in data and _at_line_start(_DONE_LINE, data) >= 0
+                              or (b"message_stop" in data or b"response.completed" in data) and _DONE_TYPE.search(data)):
             self.done = True
 
     @property
@@ -205,10 +211,40 @@ class StreamReader:
         return self.prompt is not None and self.completion is not None
 
 
+def _from_hint(data: bytes) -> bytes:
+    """`data` from the start of the event where `"usage"` or `"stop"` first appears (b"": neither
+    does). A payload matching _HINT holds one of them, as raw bytes too (a payload's lines are the
+    raw lines less their `data:`), so the events before cannot match: they are not split and
+    scanned (a 100-event chunk whose last event has the usage)."""
+    usage, stop = data.find(USAGE_KEY), data.find(b'"stop"')
+    if usage < 0 and stop < 0:
+        return b""
+    cut = last_boundary(data, usage if stop < 0 else stop if usage < 0 else min(usage, stop))
+    return data[cut:] if cut else data
+
+
+def last_boundary(data: bytes, end: int, start: int = 0) -> int:
+    """Where the last SSE event boundary (`\\n\\n` or `\\r\\n\\r\\n`) at or before `end` ends; `start`
+    (itself a boundary, or 0) when none lies after it. A boundary may overlap the one at `start`:
+    `\\n\\n\\n` has one after each of its last two newlines."""
+    lf, crlf = data.rfind(b"\n\n", max(0, start - 1), end), data.rfind(b"\r\n\r\n", max(0, start - 3), end)
+    return max(start, lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
+
+
+def _at_line_start(pattern: re.Pattern[bytes], data: bytes) -> int:
+    """Where the first match of `pattern` that starts a line starts (-1: none), as `(?m)^` +
+    `pattern` would find it, without trying `^` at every byte. A match found mid-line is passed
+    over; the search goes on from its end, which no match at a line's start can precede."""
+    for found in pattern.finditer(data):
+        at = found.start()
+        if at == 0 or data[at - 1] == 0x0A:
+            return at
+    return -1
+
+
 def done_at(data: bytes) -> int:
     """Where the `data: [DONE]` event starts in `data` (-1: not in it)."""
-    found = re.search(rb"(?m)^data:[ \t]*\[DONE\]", data)
-    return found.start() if found else -1
+    return _at_line_start(_DONE_START, data)
 
 
 def count_request(engine: str, upstream_path: str, body: bytes) -> tuple[str, bytes] | None:

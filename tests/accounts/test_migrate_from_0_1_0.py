@@ -8,6 +8,7 @@ this version, and let the old password, key and session in.
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -15,6 +16,7 @@ import subprocess
 import tarfile
 import uuid
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
@@ -182,24 +184,36 @@ def _shell(tree: Path, env: dict[str, str], script: str, marker: str, **params) 
 @pytest.fixture(scope="module")
 def release_tree(tmp_path_factory) -> Path:
     """The 0.1.0 source tree, exported from this repository's history."""
-    found = subprocess.run(["git", "-C", str(REPO), "cat-file", "-e", f"{RELEASE}^{{commit}}"], capture_output=True)
-    if found.returncode != 0:
-        pytest.fail(f"the 0.1.0 release (commit {RELEASE}) is not in {REPO}'s git history; this test needs "
-                    f"a clone with history (git fetch --unshallow)")
-    archive = subprocess.run(["git", "-C", str(REPO), "archive", RELEASE], capture_output=True, check=True).stdout
-    tree = tmp_path_factory.mktemp("xgen-0.1.0")
-    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
-        tar.extractall(tree, filter="data")
+    tree = export_release(RELEASE, "0.1.0", tmp_path_factory)
     assert (tree / "xgenconsole" / "models.py").is_file() and not (tree / "accounts").exists()
     return tree
 
 
+def export_release(commit: str, version: str, tmp_path_factory) -> Path:
+    """A released source tree (`git archive` of its commit: no network) in a temp dir."""
+    found = subprocess.run(["git", "-C", str(REPO), "cat-file", "-e", f"{commit}^{{commit}}"], capture_output=True)
+    if found.returncode != 0:
+        pytest.fail(f"the {version} release (commit {commit}) is not in {REPO}'s git history; this test needs "
+                    f"a clone with history (git fetch --unshallow)")
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", commit], capture_output=True, check=True).stdout
+    tree = tmp_path_factory.mktemp(f"xgen-{version}")
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(tree, filter="data")
+    return tree
+
+
 # ---------------------------------------------------------------- what must hold
+# Tables whose rows moved into another, under their ids: download jobs are hub_job rows since
+# hub 0007 (one job model, issue 24 #4).
+MERGED = {"hub_downloadjob": "hub_job"}
+
+
 def _rows_kept(before: dict[str, list[dict]], after: dict[str, list[dict]]) -> list[str]:
     """Rows of `before` that `after` lacks (compared on the columns they had); content types
     of the moved models are expected under their new app label."""
     lost = []
     for table, rows in before.items():
+        table = MERGED.get(table, table)
         if table not in after:
             lost.append(f"table {table} is gone")
             continue
@@ -216,7 +230,9 @@ def _rows_kept(before: dict[str, list[dict]], after: dict[str, list[dict]]) -> l
 
 
 # The key limits (accounts 0003) and the key scopes (accounts 0005, issue 34 #20).
-KEY_LIMIT_COLUMNS = {"allowed_models", "rpm", "tpm", "daily_tokens", "monthly_tokens", "priority", "scopes"}
+# The key limits (accounts 0003), and the team that owns a key (accounts 0007, issue 26).
+KEY_LIMIT_COLUMNS = {"allowed_models", "rpm", "tpm", "daily_tokens", "monthly_tokens", "priority", "scopes", "team_id"}
+SSO_USER_COLUMNS = {"local_role", "idp_source", "idp_subject", "idp_groups", "idp_role", "idp_synced_at"}
 
 
 def _upgrade(tmp_path: Path, release_tree: Path, *, database_url: str | None = None,
@@ -240,17 +256,34 @@ def _upgrade(tmp_path: Path, release_tree: Path, *, database_url: str | None = N
     _manage(REPO, new_env, "migrate", "-v", "0")
     after = _shell(REPO, new_env, SNAPSHOT, "SNAPSHOT")
     assert _rows_kept(before["rows"], after["rows"]) == []
-    for table in ("xgenconsole_user", "xgenconsole_user_groups",
-                  "xgenconsole_user_user_permissions"):
+    for table in ("xgenconsole_user_groups", "xgenconsole_user_user_permissions"):
         assert after["schema"][table] == before["schema"][table], f"{table} changed shape"
+    # Single sign-on (accounts 0006, issue 26) adds columns to users, and one constraint (an IdP's
+    # subject names one user); every 0.1.0 user is local, its role its local role.
+    old_users, new_users = before["schema"]["xgenconsole_user"], after["schema"]["xgenconsole_user"]
+    assert [c for c in old_users["columns"] if c not in new_users["columns"]] == []
+    assert {k: v for k, v in old_users["constraints"].items() if new_users["constraints"].get(k) != v} == {}
+    assert {c[0] for c in new_users["columns"]} - {c[0] for c in old_users["columns"]} == SSO_USER_COLUMNS
+    added = [v for v in new_users["constraints"].values() if v not in old_users["constraints"].values()]
+    # (SQLite's JSON_VALID check on idp_groups is a constraint there too.)
+    assert sorted(v["columns"] for v in added if v["check"] == "False") == ["['idp_source', 'idp_subject']"], added
+    assert {v["columns"] for v in added if v["check"] == "True"} <= {"['idp_groups', 'idp_groups']"}, added
+    assert sorted((u["username"], u["local_role"], u["idp_source"]) for u in after["rows"]["xgenconsole_user"]) == [
+        ("admin", "admin", ""), ("viewer", "viewer", "")]
     # 0.2 adds columns to instances (the launch plan, the replica number, aliases) and the key
     # limits to the keys table (accounts 0003): every 0.1.0 column and constraint (the foreign
-    # keys included) is still there, unchanged. 0.3 adds the download child's pid/pgid and
-    # `replace` to download jobs (hub 0006) the same way.
-    for table in ("serving_modelinstance", "xgenconsole_apikey", "hub_downloadjob"):
+    # keys included) is still there, unchanged.
+    for table in ("serving_modelinstance", "xgenconsole_apikey"):
         kept, now = before["schema"][table], after["schema"][table]
         assert [c for c in kept["columns"] if c not in now["columns"]] == [], f"{table} lost a column"
-        assert {k: v for k, v in kept["constraints"].items() if now["constraints"].get(k) != v} == {}, table
+        # By definition, not by name: SQLite names foreign keys by position (fk_0, fk_1, ...), and
+        # a table that gains one (the keys' team, accounts 0007) renumbers the others.
+        assert [v for v in kept["constraints"].values() if v not in now["constraints"].values()] == [], table
+    # Download jobs are rows of hub_job since hub 0007 (one job model for every kind): each
+    # column a 0.1.0 download job had is there, of the same type.
+    kept, now = before["schema"]["hub_downloadjob"], after["schema"]["hub_job"]
+    assert [c for c in kept["columns"] if c not in now["columns"]] == [], "hub_job lacks a download job's column"
+    assert "hub_downloadjob" not in after["schema"]
     old_keys, new_keys = before["schema"]["xgenconsole_apikey"], after["schema"]["xgenconsole_apikey"]
     assert {c[0] for c in new_keys["columns"]} - {c[0] for c in old_keys["columns"]} == KEY_LIMIT_COLUMNS
 
@@ -277,7 +310,8 @@ def _upgrade(tmp_path: Path, release_tree: Path, *, database_url: str | None = N
     assert checked["login"] == 302 and checked["users_page"] == 200
     assert checked["viewer_perms"] == ["accounts.change_user", "accounts.view_apikey"]
     assert checked["viewer_groups"] == ["key-readers"]
-    assert checked["content_types"] == [["accounts", "apikey"], ["accounts", "auditevent"], ["accounts", "user"]]
+    assert checked["content_types"] == [["accounts", "apikey"], ["accounts", "auditevent"], ["accounts", "team"],
+                                        ["accounts", "teammembership"], ["accounts", "user"]]
     assert checked["keys"] == [["ci", "admin"], ["old-laptop", "viewer"]]
     assert checked["job_created_by"] == "viewer"
     assert checked["instance"] == ["admin", "node-a", "gguf/Qwen_Qwen3-4B", ["LOADING", "READY"]]
@@ -298,8 +332,9 @@ def _pg(sql: str) -> None:
         conn.execute(sql)
 
 
-@pytest.mark.cluster
-def test_a_0_1_0_postgresql_database_migrates_with_every_row(tmp_path, release_tree):
+@contextlib.contextmanager
+def postgres_databases() -> Iterator[tuple[str, str]]:
+    """URLs of two new databases on the loopback PostgreSQL (one to upgrade, one fresh), dropped after."""
     from tests.cluster.harness import PG_ADMIN_DSN, services_available
 
     missing = services_available()
@@ -315,7 +350,13 @@ def test_a_0_1_0_postgresql_database_migrates_with_every_row(tmp_path, release_t
     for database in (upgraded, fresh):
         _pg(f'CREATE DATABASE "{database}"')
     try:
-        _upgrade(tmp_path, release_tree, database_url=url(upgraded), fresh_database_url=url(fresh))
+        yield url(upgraded), url(fresh)
     finally:
         for database in (upgraded, fresh):
             _pg(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
+
+
+@pytest.mark.cluster
+def test_a_0_1_0_postgresql_database_migrates_with_every_row(tmp_path, release_tree):
+    with postgres_databases() as (upgraded, fresh):
+        _upgrade(tmp_path, release_tree, database_url=upgraded, fresh_database_url=fresh)

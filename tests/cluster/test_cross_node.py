@@ -1,7 +1,9 @@
 """Cluster mode with models: loads on two nodes, requests across web processes, an agent killed
-and restarted, and concurrent loads of one new model transferring it once."""
+(its model moves to the other node) and one stopped with SIGTERM (its models move before it
+drains), and concurrent loads of one new model transferring it once."""
 from __future__ import annotations
 
+import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -9,6 +11,8 @@ import httpx
 import pytest
 
 from tests.cluster.harness import backend_secret
+from tests.procs import pid_alive
+from tests.serving.conftest import backend_pids
 
 pytestmark = pytest.mark.cluster
 
@@ -73,43 +77,85 @@ def test_loads_on_both_nodes_and_requests_cross_web_processes(cluster, tiny_gguf
         assert len(cached) == 1, node
 
 
-def test_killed_agent_stops_routing_then_recovers(cluster):
+def _serving(cluster, web: str, model: str) -> list[dict]:
+    """The model's instances that are meant to run."""
+    with cluster.api(web) as client:
+        return [i for i in client.get("/api/management/instances").json()
+                if i["model_name"] == model and i["desired_state"] == "RUNNING"]
+
+
+def _wait_moved(cluster, web: str, model: str, node: str, timeout: float = 90) -> dict:
+    """The one instance of `model` meant to run, once it is READY on `node`, and the model answers."""
+    deadline = time.monotonic() + timeout
+    while True:
+        rows = _serving(cluster, web, model)
+        if len(rows) == 1 and rows[0]["node"] == node and rows[0]["state"] == "READY" and _chat(cluster, web, model) == 200:
+            return rows[0]
+        assert time.monotonic() < deadline, f"{model} never READY on {node}: {rows}"
+        time.sleep(0.3)
+
+
+def _decisions(cluster, model: str) -> list[str]:
+    code = ("from serving.models import ScalingDecision as D; "
+            f"print('\\n'.join(d.reason for d in D.objects.filter(model_name={model!r}).order_by('pk')))")
+    return [line for line in cluster.manage("shell", "-v", "0", "-c", code).stdout.splitlines() if line]
+
+
+def test_a_killed_agents_model_moves_to_the_other_node_and_no_duplicate_comes_back(cluster):
+    """kill -9 of node B's agent (issue 31 #4): once node B is offline (XGEN_NODE_OFFLINE_AFTER, 5 s
+    here) the autoscaler's lease holder places its model on node A through the load's placement; it
+    answers there. The agent that comes back stops the backend the killed one left, and starts nothing."""
     with cluster.api("a") as client:
         before = {i["model_name"]: i for i in client.get("/api/management/instances").json()}
     inst_b = before["tiny-on-b"]
+    left = backend_pids("tiny-on-b", inst_b["port"])
+    assert left, "the backend runs on node B"
     cluster.kill_agent("node-b")
     try:
-        deadline = time.monotonic() + 40
+        moved = _wait_moved(cluster, "a", "tiny-on-b", "node-a")
+        assert _chat(cluster, "b", "tiny-on-b") == 200 and _chat(cluster, "b", "tiny-on-a") == 200
         with cluster.api("a") as client:
-            while time.monotonic() < deadline:
-                nodes = {n["name"]: n["status"] for n in client.get("/api/hardware/nodes").json()}
-                if nodes["node-b"] == "offline":
-                    break
-                time.sleep(0.3)
-            assert nodes["node-b"] == "offline", nodes
-            # The routing table drops the node's backends at its next refresh (every second): the
-            # backend process itself still runs, so until then a request may still be answered.
-            deadline = time.monotonic() + 10
-            while True:
-                response = client.post("/v1/chat/completions", json={"model": "tiny-on-b", **CHAT})
-                if response.status_code == 503 or time.monotonic() > deadline:
-                    break
-                time.sleep(0.3)
-            seen = client.get(f"/api/management/instances/{inst_b['id']}").json()
-            assert response.status_code == 503 and response.json()["error"]["code"] == "no_backend", \
-                (response.text, seen["state"], seen.get("error"), seen.get("state_message"))
-            # Nothing lost: the desired state and the record of the instance are still there.
-            still = client.get(f"/api/management/instances/{inst_b['id']}").json()
-            assert still["model_name"] == "tiny-on-b"
-        assert _chat(cluster, "b", "tiny-on-a") == 200  # node A is unaffected
+            old = client.get(f"/api/management/instances/{inst_b['id']}").json()
+        assert (old["state"], old["desired_state"], old["node"]) == ("UNLOADING", "STOPPED", "node-b"), old
+        [reason] = _decisions(cluster, "tiny-on-b")
+        assert reason.startswith("node node-b offline (no heartbeat for ") and "moved to node-a" in reason, reason
     finally:
         cluster.start_agent("node-b")  # the tests after this one need node B
     cluster.wait_nodes_online({"node-b"}, web="b", timeout=30)
-    _wait_state(cluster, "b", inst_b["id"], "READY")
+    _wait_state(cluster, "b", inst_b["id"], "STOPPED", timeout=30)
     deadline = time.monotonic() + 15
-    while time.monotonic() < deadline and _chat(cluster, "b", "tiny-on-b") != 200:
+    while any(pid_alive(p) for p in left):
+        assert time.monotonic() < deadline, "the agent back on node B left the old backend running"
         time.sleep(0.3)
+    time.sleep(3)  # a reconcile or two of node B: nothing starts there again
+    assert [(i["id"], i["node"]) for i in _serving(cluster, "b", "tiny-on-b")] == [(moved["id"], "node-a")]
     assert _chat(cluster, "b", "tiny-on-b") == 200
+
+
+def test_a_sigterm_drains_the_node_and_moves_its_models_to_the_other_node(cluster):
+    """SIGTERM of node A's agent (a deleted pod of a drained node, `systemctl stop`): before it drains,
+    the agent places its models on node B (the same path as an offline node's); it exits 0, both
+    answer from node B, and the agent that comes back on node A starts neither again."""
+    olds = {m: _serving(cluster, "a", m) for m in ("tiny-on-a", "tiny-on-b")}
+    assert all(len(rows) == 1 and rows[0]["node"] == "node-a" for rows in olds.values()), olds
+    agent = cluster.agents.pop("node-a")
+    agent.proc.send_signal(signal.SIGTERM)
+    try:
+        assert agent.proc.wait(timeout=90) == 0
+        assert "moved to node-b" in agent.log, agent.log[-3000:]
+        for model, [old] in olds.items():
+            _wait_moved(cluster, "b", model, "node-b")
+            with cluster.api("b") as client:
+                row = client.get(f"/api/management/instances/{old['id']}").json()
+            assert (row["state"], row["desired_state"]) == ("STOPPED", "STOPPED"), row
+            assert any(r.startswith("node node-a draining (its agent got SIGTERM)") for r in _decisions(cluster, model))
+    finally:
+        cluster.start_agent("node-a")
+    cluster.wait_nodes_online({"node-a"}, web="a", timeout=30)
+    time.sleep(3)
+    for model in olds:
+        assert [i["node"] for i in _serving(cluster, "a", model)] == ["node-b"], model
+        assert _chat(cluster, "a", model) == 200
 
 
 def test_two_loads_of_one_new_model_on_one_node_transfer_it_once(cluster, tiny_gguf):
@@ -179,11 +225,17 @@ def test_an_agent_killed_during_a_cold_start_the_waiting_request_is_answered(clu
     if answer.status_code == 503:
         assert answer.json()["error"]["code"] in ("cold_start_failed", "no_backend"), answer.text
     cluster.wait_nodes_online({"node-b"}, web="a", timeout=60)
-    _wait_state(cluster, "a", loaded["id"], "READY", timeout=120)
+    # READY on node B, or on node A when the new agent took longer than XGEN_NODE_OFFLINE_AFTER (5 s
+    # here) to beat its first heartbeat: then the model moved (issue 31 #4). One instance either way.
+    deadline = time.monotonic() + 120
+    while [i["state"] for i in _serving(cluster, "a", "od-restart")] != ["READY"]:
+        assert time.monotonic() < deadline, _serving(cluster, "a", "od-restart")
+        time.sleep(0.3)
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline and _chat(cluster, "a", "od-restart") != 200:
         time.sleep(0.3)
     assert _chat(cluster, "a", "od-restart") == 200
+    [serving] = _serving(cluster, "a", "od-restart")
     with cluster.api("a") as client:
-        assert client.post("/api/management/unload", json={"id": loaded["id"]}).status_code == 202
-    _wait_state(cluster, "a", loaded["id"], "STOPPED")
+        assert client.post("/api/management/unload", json={"model_name": "od-restart"}).status_code == 202
+    _wait_state(cluster, "a", serving["id"], "STOPPED")

@@ -24,7 +24,7 @@ import json, threading
 from django.db import connections
 from hardware.models import Node
 from hardware.services import register_node
-from serving.services import LoadRefused, request_load
+from serving.control.services import LoadRefused, request_load
 
 node = register_node(name="pg-node", address="127.0.0.1")
 Node.objects.filter(pk=node.pk).update(backends=json.loads(BACKENDS))

@@ -22,8 +22,8 @@ from django.db import connections
 from hardware.models import GpuDevice, Node
 from hardware.services import register_node
 from serving.models import DesiredState, ModelInstance
-from serving.planning import plan_load
-from serving.services import LoadRefused, request_load
+from serving.control.planning import plan_load
+from serving.control.services import LoadRefused, request_load
 
 CUDA = {"name": "llama-server", "available": True, "version": "b6500", "flavour": "cuda",
         "path": "/opt/llama-server", "reason": ""}

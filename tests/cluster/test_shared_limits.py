@@ -124,3 +124,28 @@ def test_a_revoke_through_one_web_process_reaches_the_other_at_once(cluster, ech
     while _chat(cluster, "b", key, echo_model).status_code != 401:
         assert time.monotonic() - started < 3, "the revoke was not pushed to web b"
         time.sleep(0.1)
+
+
+def test_two_keys_of_a_team_on_two_web_processes_share_the_teams_quota(cluster, echo_model):
+    """Issue 26 #4: a team's daily quota, counted in Redis over every key of the team and every web
+    process; both keys are refused once it is used, on both processes, and a change of the team's
+    quota through one process reaches the other's key cache at once."""
+    with cluster.api("a") as client:
+        team = client.post("/api/teams", json={"name": f"team-{time.monotonic_ns()}", "daily_tokens": 25}).json()
+    _, first = _key(cluster, team=team["slug"])
+    _, second = _key(cluster, team=team["slug"])
+    for web, key in (("a", first), ("b", second), ("a", second)):  # 10 tokens each
+        assert _chat(cluster, web, key, echo_model).status_code == 200
+        time.sleep(1.0)  # each answer's charge reaches Redis within a second
+    for web in ("a", "b"):
+        for key in (first, second):
+            refused = _chat(cluster, web, key, echo_model)
+            assert refused.status_code == 429, (web, refused.text)
+            error = json.loads(refused.text)["error"]
+            assert error["code"] == "insufficient_quota" and f"team '{team['name']}'" in error["message"]
+    with cluster.api("b") as client:
+        assert client.patch(f"/api/teams/{team['id']}", json={"daily_tokens": 1000}).status_code == 200
+    started = time.monotonic()
+    while _chat(cluster, "a", first, echo_model).status_code != 200:
+        assert time.monotonic() - started < 3, "the team's new quota was not pushed to web a"
+        time.sleep(0.1)

@@ -89,11 +89,14 @@ def _restarted(c: FaultConsole, inst: dict) -> dict:
     return again
 
 
-@pytest.mark.parametrize("kind", list(STREAMS))
-def test_a_backend_killed_mid_stream_ends_the_stream_once_counted(faults_console, llm, kind):
-    c = faults_console
-    inst = c.instance(llm["id"])
-    before = len(_rows(c, "ls-kill"))
+def _ready(c: FaultConsole, inst_id: int) -> dict:
+    """The instance once READY with a live process (a test before may have killed it)."""
+    return c.wait_instance(inst_id, lambda b: b["state"] == "READY" and b["pid"] in serve_backends(c.console.data_dir),
+                           timeout=120)
+
+
+def _stream_and_kill(c: FaultConsole, inst: dict, kind: str) -> tuple[list[str], float]:
+    """The `data:` payloads of one stream whose backend is killed with SIGKILL after its 4th event."""
     path, body = STREAMS[kind]
     events: list[str] = []
     with httpx.Client(timeout=httpx.Timeout(30.0)) as client, \
@@ -109,8 +112,31 @@ def test_a_backend_killed_mid_stream_ends_the_stream_once_counted(faults_console
                 os.kill(inst["pid"], signal.SIGKILL)
                 killed_at = time.monotonic()
     assert killed_at is not None, f"the stream ended after {len(events)} events, before the kill: {events[-2:]}"
-    ended_s = time.monotonic() - killed_at
-    assert events[-1] != "[DONE]", "the stream finished before the kill: it proves nothing"
+    return events, killed_at
+
+
+def _ended_normally(event: str) -> bool:
+    return event == "[DONE]" or '"message_stop"' in event or '"response.completed"' in event
+
+
+@pytest.mark.parametrize("kind", list(STREAMS))
+def test_a_backend_killed_mid_stream_ends_the_stream_once_counted(faults_console, llm, kind):
+    """llama-server's /v1/messages drops `grammar` and `ignore_eos` (its Anthropic conversion passes
+    only temperature, top_p, top_k and stream), so the tiny random model may end that answer with
+    its end token before the kill lands: such a try proves nothing and is made again (3 tries; a
+    proxy that ended killed streams cleanly would fail all three)."""
+    c = faults_console
+    for _ in range(3):
+        inst = _ready(c, llm["id"])
+        before = len(_rows(c, "ls-kill"))
+        events, killed_at = _stream_and_kill(c, inst, kind)
+        ended_s = time.monotonic() - killed_at
+        if not _ended_normally(events[-1]):
+            break
+        _wait_rows(c, "ls-kill", before + 1)
+        _restarted(c, inst)
+    else:
+        pytest.fail(f"three {kind} streams ended normally though their backend was killed: {events[-2:]}")
     last = json.loads(events[-1])
     error = last.get("error")
     assert isinstance(error, dict) and error.get("code", error.get("type")) in ("upstream_error", "api_error"), last

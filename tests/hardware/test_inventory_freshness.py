@@ -51,8 +51,8 @@ def _load(client, key: str, tiny_gguf, name: str):
 @pytest.mark.django_db
 def test_a_load_on_a_node_whose_agent_restarted_is_refused_until_the_new_run_saved_its_inventory(
         client, operator, settings, tiny_gguf):
+    from serving.control.planning import stored_plan
     from serving.models import ModelInstance
-    from serving.planning import stored_plan
 
     settings.INVENTORY_WAIT_S = 0
     register_node(name=settings.NODE_NAME, address="127.0.0.1", run="run-1")
@@ -93,7 +93,7 @@ def test_among_several_nodes_one_still_starting_is_passed_over_and_all_starting_
 
 @pytest.mark.django_db(transaction=True)
 async def test_a_load_just_after_an_agent_start_waits_for_its_probe_and_readyz_waits_too(settings, tiny_gguf):
-    from serving.planning import plan_load
+    from serving.control.planning import plan_load
 
     settings.INVENTORY_WAIT_S = 30
     name = settings.NODE_NAME

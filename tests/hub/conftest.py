@@ -145,9 +145,9 @@ def run_uploads(*, store=None, node: str | None = None) -> list:
     (default: this process's) and run it to its end; returns the final jobs, oldest first."""
     from django.conf import settings
 
-    from hub import services
+    from hub.jobs import upload as upload_jobs
 
     done = []
-    while (job := services.claim_next_upload(node_name=node or settings.NODE_NAME)) is not None:
-        done.append(services.execute_upload(job.pk, store=store))
+    while (job := upload_jobs.claim_next_upload(node_name=node or settings.NODE_NAME)) is not None:
+        done.append(upload_jobs.execute_upload(job.pk, store=store))
     return done

@@ -6,7 +6,7 @@ import json
 import pytest
 from django.test import Client
 
-from hub import services
+from hub import index, writes
 from hub.models import CacheEntry, DownloadJob, ModelArtifact
 from hub.store import FilesystemModelStore
 from tests.conftest import bearer
@@ -80,7 +80,7 @@ def test_upload_api_uploads_and_refuses_bad_input(hub_dirs, operator, viewer, ti
 
 def test_delete_is_for_admins_and_refuses_traversal(hub_dirs, admin, operator, tiny_gguf):
     store = FilesystemModelStore(hub_dirs / "store")
-    services.upload_local_model(local_path=str(tiny_gguf), format="gguf", name="gone", store=store)
+    writes.upload_local_model(local_path=str(tiny_gguf), format="gguf", name="gone", store=store)
     c = Client()
     assert c.delete("/api/storage/models/gguf/gone", **bearer(operator.key)).status_code == 403
     for bad in TRAVERSAL_PREFIXES:
@@ -256,7 +256,7 @@ def test_refresh_index_follows_the_store(hub_dirs, tmp_path):
     store.upload_model("gguf/a", make_model_dir(tmp_path / "a", {"a.gguf": b"a"}))
     store.put_bytes("gguf/b/b.gguf", b"bb")
     ModelArtifact.objects.create(prefix="gguf/gone", format="gguf", name="gone", complete=True)
-    assert services.refresh_index(store=store) == 2
+    assert index.refresh_index(store=store) == 2
     rows = {a.prefix: a.complete for a in ModelArtifact.objects.all()}
     assert rows == {"gguf/a": True, "gguf/b": False}
 
@@ -265,23 +265,23 @@ def test_a_refresh_never_undoes_what_a_writer_indexed_while_it_listed(hub_dirs, 
     """An upload that ends while the refresh lists the store: its row stays (CI lost it once)."""
     store = FilesystemModelStore(hub_dirs / "store")
     store.upload_model("gguf/old", make_model_dir(tmp_path / "old", {"o.gguf": b"o"}))
-    services.index_prefix("gguf/old", store=store)
+    index.index_prefix("gguf/old", store=store)
     real_scan = store.scan_models
 
     def scan_while_a_writer_ends():
         listing = real_scan()  # the listing is taken before the upload lands...
         store.upload_model("gguf/landed", make_model_dir(tmp_path / "landed", {"l.gguf": b"l"}))
-        services.index_prefix("gguf/landed", store=store)  # ...which indexes itself as the writer does
+        index.index_prefix("gguf/landed", store=store)  # ...which indexes itself as the writer does
         store.upload_model("gguf/old", make_model_dir(tmp_path / "old2", {"o.gguf": b"new"}), replace=True)
-        services.index_prefix("gguf/old", store=store)
+        index.index_prefix("gguf/old", store=store)
         return listing
 
     store.scan_models = scan_while_a_writer_ends
-    services.refresh_index(store=store)
+    index.refresh_index(store=store)
     assert ModelArtifact.objects.get(prefix="gguf/landed").complete
     assert ModelArtifact.objects.get(prefix="gguf/old").size_bytes == 3
     del store.scan_models
-    assert services.refresh_index(store=store) == 2
+    assert index.refresh_index(store=store) == 2
     assert set(ModelArtifact.objects.values_list("prefix", flat=True)) == {"gguf/old", "gguf/landed"}
 
 
@@ -293,10 +293,10 @@ def test_the_index_of_a_thousand_models_refreshes_and_pages(hub_dirs, s3, viewer
         store.put_bytes(f"gguf/model-{i:04d}/m.gguf", b"w" * (i + 1))
         if i != 7:
             store.put_bytes(f"gguf/model-{i:04d}/.xgen-manifest.json", b"{}")
-    assert services.refresh_index(store=store) == 1000
+    assert index.refresh_index(store=store) == 1000
     assert ModelArtifact.objects.count() == 1000 and ModelArtifact.objects.filter(complete=False).count() == 1
     store.delete_model("gguf/model-0001")
-    assert services.refresh_index(store=store) == 999
+    assert index.refresh_index(store=store) == 999
     c = Client()
     pages, url = [], "/api/storage/models?page=1"
     while True:

@@ -7,7 +7,7 @@ import pytest
 from django.test import Client
 
 from accounts.models import AuditEvent
-from hub import services
+from hub import index
 from hub.store import FilesystemModelStore
 from tests.conftest import bearer
 from tests.hub.conftest import run_uploads
@@ -49,7 +49,7 @@ def test_from_the_pages(hub_dirs, admin, tiny_gguf):
     assert c.post("/models/upload/", {"local_path": str(tiny_gguf), "format": "gguf", "name": "paged"}).status_code == 302
     run_uploads()  # the upload is a job: what the node agent does with it
     assert FilesystemModelStore(hub_dirs / "store").exists("gguf/paged")
-    services.refresh_index()
+    index.refresh_index()
     assert c.post("/models/delete/", {"prefix": "gguf/paged"}).status_code == 302
     who = admin.user.username
     assert rows("download") == [(who, "acme/m", "success", "page")]

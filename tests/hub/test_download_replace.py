@@ -13,8 +13,9 @@ import pytest
 from asgiref.sync import sync_to_async
 from django.test import Client
 
-from hub import services
+from hub import index
 from hub.downloads import run_download_job
+from hub.jobs import download as download_jobs
 from hub.models import DownloadJob, ModelArtifact
 from hub.store import FilesystemModelStore, get_store
 from tests.conftest import bearer
@@ -77,7 +78,7 @@ async def test_a_cancelled_replacing_download_leaves_the_old_model(monkeypatch, 
         "huggingface/acme_slow", make_model_dir(tmp_path / "old", {"config.json": b'{"old": 1}'}),
         source={"repo_id": "acme/slow"})
     before = store.read_manifest("huggingface/acme_slow")
-    await sync_to_async(services.index_prefix)("huggingface/acme_slow", store=store)
+    await sync_to_async(index.index_prefix)("huggingface/acme_slow", store=store)
     slow = FakeHub({"acme/slow": {"config.json": b"{}", "big.bin": os.urandom(6_000_000)}}).start()
     monkeypatch.setenv("HF_ENDPOINT", slow.url)
 
@@ -90,9 +91,9 @@ async def test_a_cancelled_replacing_download_leaves_the_old_model(monkeypatch, 
             return super().put_file(key, local, progress=slowly, cancel=cancel)
 
     try:
-        job = await sync_to_async(services.create_download_job)(repo_id="acme/slow", format="huggingface",
+        job = await sync_to_async(download_jobs.create_download_job)(repo_id="acme/slow", format="huggingface",
                                                                  replace=True, store=store)
-        await sync_to_async(services.claim_next_job)(node_name="n1")
+        await sync_to_async(download_jobs.claim_next_job)(node_name="n1")
         task = asyncio.create_task(run_download_job(job.pk, node_name="n1", store=SlowWrites(hub_dirs / "store")))
         for _ in range(400):
             await asyncio.sleep(0.05)
@@ -102,7 +103,7 @@ async def test_a_cancelled_replacing_download_leaves_the_old_model(monkeypatch, 
         assert current.status == "UPLOADING"
         row = await sync_to_async(ModelArtifact.objects.get)(prefix="huggingface/acme_slow")
         assert row.complete  # listed complete while its replacement is being written
-        await sync_to_async(services.request_cancel)(job=current)
+        await sync_to_async(download_jobs.request_cancel)(job=current)
         done = await asyncio.wait_for(task, 60)
     finally:
         slow.stop()

@@ -8,8 +8,9 @@ import os
 import pytest
 from asgiref.sync import sync_to_async
 
-from hub import services
+from hub import locks
 from hub.downloads import run_download_job
+from hub.jobs import download as download_jobs
 from hub.models import DownloadJob, ModelArtifact
 from hub.paths import MANIFEST_NAME
 from tests.hub.conftest import minio_store_for
@@ -34,8 +35,8 @@ def fake_hub(monkeypatch):
 
 
 def _new_job(**kw) -> DownloadJob:
-    job = services.create_download_job(**{"repo_id": "acme/tiny-model", "format": "huggingface", **kw})
-    claimed = services.claim_next_job(node_name="n1")
+    job = download_jobs.create_download_job(**{"repo_id": "acme/tiny-model", "format": "huggingface", **kw})
+    claimed = download_jobs.claim_next_job(node_name="n1")
     assert claimed.pk == job.pk and claimed.status == "DOWNLOADING"
     return claimed
 
@@ -118,7 +119,7 @@ async def test_cancel_kills_the_child_and_cleans_up(monkeypatch, hub_dirs, setti
             if current.bytes_done > 0:
                 break
         assert 0 < current.bytes_done < current.bytes_total  # progress while bytes arrive
-        await sync_to_async(services.request_cancel)(job=current)
+        await sync_to_async(download_jobs.request_cancel)(job=current)
         done = await asyncio.wait_for(task, 30)
     finally:
         slow.stop()
@@ -128,16 +129,16 @@ async def test_cancel_kills_the_child_and_cleans_up(monkeypatch, hub_dirs, setti
 
 
 def test_two_agents_never_claim_one_job(db):
-    job = services.create_download_job(repo_id="acme/x", format="gguf")
-    first = services.claim_next_job(node_name="a")
-    second = services.claim_next_job(node_name="b")
+    job = download_jobs.create_download_job(repo_id="acme/x", format="gguf")
+    first = download_jobs.claim_next_job(node_name="a")
+    second = download_jobs.claim_next_job(node_name="b")
     assert first.pk == job.pk and first.node == "a" and second is None
 
 
 def test_a_pending_job_is_cancelled_at_once(db):
-    job = services.create_download_job(repo_id="acme/x", format="gguf")
-    assert services.request_cancel(job=job).status == "CANCELLED"
-    assert services.claim_next_job(node_name="a") is None
+    job = download_jobs.create_download_job(repo_id="acme/x", format="gguf")
+    assert download_jobs.request_cancel(job=job).status == "CANCELLED"
+    assert download_jobs.claim_next_job(node_name="a") is None
 
 
 @pytest.mark.django_db(transaction=True)
@@ -172,18 +173,18 @@ def test_a_kill_9_mid_download_leaves_a_child_the_restarted_agent_stops(hub_dirs
         assert job.pgid and 0 < job.bytes_done < job.bytes_total, (job.pgid, job.bytes_done)
         os.kill(agent.pid, signal.SIGKILL)  # the console dies mid-download
         agent.wait(10)
-        dest, hf_home = services.download_dirs(job.pk)
-        assert services._is_download_child(job.pgid, job.pk)  # the child lives on, orphaned
+        dest, hf_home = download_jobs.download_dirs(job.pk)
+        assert download_jobs._is_download_child(job.pgid, job.pk)  # the child lives on, orphaned
         assert dest.is_dir()
         stray = dest.parent / "job-999999-hfhome"  # a job whose agent died before its pid was stored
         stray.mkdir()
-        assert services.fail_orphaned_jobs(node_name="n1") == 1  # what the restarted agent does first
-        assert not services._is_download_child(job.pgid, job.pk)
+        assert download_jobs.fail_orphaned_jobs(node_name="n1") == 1  # what the restarted agent does first
+        assert not download_jobs._is_download_child(job.pgid, job.pk)
         assert not dest.exists() and not hf_home.exists() and not stray.exists()
         job.refresh_from_db()
         assert job.status == "FAILED" and "its download process was stopped" in job.error
         assert job.pid is None and job.pgid is None
-        assert services.lock_prefix(job.target_prefix, holder="cli:x:1") is None  # the lock was freed
+        assert locks.lock_prefix(job.target_prefix, holder="cli:x:1") is None  # the lock was freed
     finally:
         if agent.poll() is None:
             agent.kill()

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from django.test import Client
 
-from hub import services
+from hub.imports import HubInputError, check_import_path, console_paths
 from hub.models import ModelArtifact, PrefixLock, UploadJob
 from hub.store import FilesystemModelStore
 from tests.conftest import REPO, bearer
@@ -111,7 +111,7 @@ def test_a_refused_upload_of_the_data_dir_leaves_the_live_database_alone(setting
     settings.IMPORT_DIRS = [Path(tempfile.gettempdir()).resolve()]
     db_file = Path(connection.settings_dict["NAME"])
     assert db_file.parent.resolve() == Path(settings.DATA_DIR).resolve() and db_file.is_file()
-    assert any(what == "database" and path == db_file.resolve() for what, path in services.console_paths())
+    assert any(what == "database" and path == db_file.resolve() for what, path in console_paths())
     _refused(_upload(operator.key, settings.DATA_DIR), "data dir")
     _refused(_upload(operator.key, db_file), "data dir")
     # Another SQLite client comes and goes (the step that removed -shm after the locks were dropped) ...
@@ -135,8 +135,8 @@ def test_a_path_outside_the_import_dirs_is_refused(imports, hub_dirs, operator, 
     for path in (elsewhere / "m.gguf", elsewhere, tiny_gguf, f"{imports}/../elsewhere/m.gguf", "/etc/passwd",
                  "/no/such/file.gguf"):
         _refused(_upload(operator.key, path), "not under XGEN_IMPORT_DIRS", str(imports))
-    with pytest.raises(services.HubInputError, match="not a valid file name"):  # the API's schema refuses it first
-        services.check_import_path(f"{imports}/\ud800.gguf")
+    with pytest.raises(HubInputError, match="not a valid file name"):  # the API's schema refuses it first
+        check_import_path(f"{imports}/\ud800.gguf")
     _store_is_empty(hub_dirs)
 
 
@@ -302,3 +302,29 @@ def test_an_import_dir_inside_the_data_dir_stops_the_start(tmp_path):
     proc = subprocess.run([PYTHON, str(REPO / "manage.py"), "check"], env=env, cwd=REPO, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode != 0 and "XGEN_IMPORT_DIRS" in proc.stderr and "inside XGEN_DATA_DIR" in proc.stderr
+
+
+def test_a_split_gguf_loads_with_each_shard_checked_under_the_same_rules(settings, imports, hub_dirs):
+    """check_load_path on the first shard of a split GGUF: the siblings a backend opens are found by
+    name and checked like the file named (the rules resolved once for all of them); one that leads
+    out of the import dirs (here into the console's data dir) refuses the load."""
+    from hub.imports import check_load_path
+
+    folder = imports / "split"
+    folder.mkdir()
+    sizes = {}
+    for i in (1, 2, 3):
+        name = f"model-{i:05d}-of-00003.gguf"
+        (folder / name).write_bytes(b"GGUF" + b"\0" * (100 * i))
+        sizes[name] = 4 + 100 * i
+    source = check_load_path(str(folder / "model-00001-of-00003.gguf"))
+    assert (source.format, source.size_bytes) == ("gguf", sum(sizes.values()))
+    assert source.serve == Path(os.path.realpath(folder)) / "model-00001-of-00003.gguf"
+
+    secret = Path(settings.DATA_DIR) / "model-00002-of-00003.gguf"
+    secret.parent.mkdir(parents=True, exist_ok=True)
+    secret.write_bytes(b"GGUF" + b"\0" * 10)
+    (folder / "model-00002-of-00003.gguf").unlink()
+    (folder / "model-00002-of-00003.gguf").symlink_to(secret)
+    with pytest.raises(HubInputError, match="model-00002-of-00003.gguf .* is not under XGEN_IMPORT_DIRS"):
+        check_load_path(str(folder / "model-00001-of-00003.gguf"))

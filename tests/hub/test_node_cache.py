@@ -10,7 +10,7 @@ import pytest
 from django.test import Client
 from django.utils import timezone
 
-from hub import node_cache, services
+from hub import node_cache, writes
 from hub.cache import CacheFull, cache_dir_for, last_sync_stats, sync_to_cache
 from hub.models import CacheEntry, CacheJob
 from tests.conftest import bearer
@@ -31,7 +31,7 @@ def node(hub_dirs):
 @pytest.fixture
 def users() -> Iterator[dict[str, list]]:
     """The instances that use a prefix on NODE, as serving would report them (a test fills it)."""
-    from serving.allocation import cache_users
+    from serving.control.allocation import cache_users
 
     in_use: dict[str, list] = {}
     node_cache.set_users_source(lambda name: in_use if name == NODE else {})
@@ -166,7 +166,7 @@ def test_deleting_from_the_store_evicts_every_unused_copy(store, node, users, tm
     CacheEntry.objects.create(node=other, prefix="gguf/gone", state="READY")
     node_cache.set_users_source(lambda name: {"gguf/gone": [node_cache.CacheUser(1, "g", "READY")]}
                                 if name == "other-node" else {})
-    services.delete_model(prefix="gguf/gone", store=store)
+    writes.delete_model(prefix="gguf/gone", store=store)
     assert list(CacheJob.objects.values_list("node", "action")) == [(NODE, "evict")]
     _agent_runs_jobs(store)
     assert not local.exists()
@@ -174,7 +174,7 @@ def test_deleting_from_the_store_evicts_every_unused_copy(store, node, users, tm
 
 
 def test_serving_reports_which_instances_use_a_prefix(node):
-    from serving.allocation import cache_users
+    from serving.control.allocation import cache_users
     from serving.models import ModelInstance
 
     ModelInstance.objects.create(model_name="r", model_path="gguf/x", node=node, state="READY")
@@ -182,3 +182,73 @@ def test_serving_reports_which_instances_use_a_prefix(node):
     ModelInstance.objects.create(model_name="p", model_path="/abs/model.gguf", node=node, state="READY")
     got = cache_users(NODE)
     assert list(got) == ["gguf/x"] and got["gguf/x"][0].model_name == "r"
+
+
+# --------------------------------------------------------------------------- cache jobs as jobs
+def test_a_cache_job_is_cancelled_and_shown_as_the_other_jobs_are(store, node, users, tmp_path, operator, viewer):
+    """Issue 24 #4: an Evict or a Verify has the lifecycle of a download or an upload: cancel
+    (`hub.jobs.request_cancel`, from its row's button or the API) and its row (`_job_row.html`)."""
+    _put(store, tmp_path, "gguf/c", 20_000)
+    sync_to_cache("gguf/c", node_name=NODE, store=store)
+    api = Client()
+    job_id = _post(api, f"/api/hardware/nodes/{NODE}/cache/verify", {"prefix": "gguf/c"}, operator.key).json()["id"]
+    cancel = f"/api/hardware/nodes/{NODE}/cache/jobs/{job_id}/cancel"
+    assert api.post(cancel, **bearer(viewer.key)).status_code == 403
+    assert api.post(f"/api/hardware/nodes/{NODE}/cache/jobs/999999/cancel", **bearer(operator.key)).status_code == 404
+    r = api.post(cancel, **bearer(operator.key))
+    assert r.status_code == 200, r.content
+    assert r.json()["status"] == "CANCELLED" and r.json()["error"] == "Cancelled before it started."
+    assert _agent_runs_jobs(store) == []  # no agent claims it
+
+    # The card lists the node's jobs with the one row template; an active one has its Cancel button.
+    page = Client()
+    page.force_login(operator.user)
+    page.post(f"/nodes/{NODE}/cache/evict/", {"prefix": "gguf/c"})
+    evict = CacheJob.objects.get(action="evict")
+    html = page.get(f"/nodes/{NODE}/cache/").content.decode()
+    assert f'id="cache-job-{job_id}"' in html and f'id="cache-job-{evict.number}"' in html
+    assert 'data-status="CANCELLED"' in html and 'data-status="PENDING"' in html
+    cancel_url = f"/nodes/{NODE}/cache/jobs/{evict.number}/cancel/"
+    assert cancel_url in html and f"/nodes/{NODE}/cache/jobs/{job_id}/cancel/" not in html
+    assert page.post(cancel_url).status_code == 302
+    evict.refresh_from_db()
+    assert evict.status == "CANCELLED" and cache_dir_for("gguf/c").is_dir()  # nothing evicted
+    watcher = Client()
+    watcher.force_login(viewer.user)
+    assert watcher.post(cancel_url).status_code == 403
+
+
+def test_a_cancel_of_a_claimed_verify_stops_it_and_records_nothing(store, node, users, tmp_path):
+    _put(store, tmp_path, "gguf/s", 30_000)
+    sync_to_cache("gguf/s", node_name=NODE, store=store)
+    node_cache.request_cache_job(node=node, prefix="gguf/s", action="verify")
+    job = node_cache.claim_next_cache_job(node_name=NODE)
+    assert job.status == "RUNNING"
+    from hub.jobs import request_cancel
+
+    assert request_cancel(job).cancel_requested  # a running job is asked; its agent ends it
+    done = node_cache.run_cache_job(job.pk, store=store)
+    assert done.status == "CANCELLED" and done.error == "Cancelled by a user." and done.result == {}
+    assert CacheEntry.objects.get(prefix="gguf/s").verified_at is None
+
+    # Verify stops between two files when told to (the job's step raises), recording nothing.
+    local = cache_dir_for("gguf/s")
+    (local / "model.gguf").write_bytes(b"other bytes")
+
+    def stop(done: int, total: int) -> None:
+        raise node_cache.CacheJobCancelled()
+
+    with pytest.raises(node_cache.CacheJobCancelled):
+        node_cache.verify("gguf/s", node_name=NODE, store=store, step=stop)
+    entry = CacheEntry.objects.get(prefix="gguf/s")
+    assert entry.verified_at is None and entry.state == "READY"
+
+
+def test_a_verify_shows_its_progress_in_bytes(store, node, users, tmp_path):
+    files = {"a.gguf": os.urandom(40_000), "b.bin": os.urandom(10_000)}
+    store.upload_model("gguf/p", make_model_dir(tmp_path / "p", files))
+    sync_to_cache("gguf/p", node_name=NODE, store=store)
+    node_cache.request_cache_job(node=node, prefix="gguf/p", action="verify")
+    [job] = _agent_runs_jobs(store)
+    assert job.status == "COMPLETED" and job.result["ok"] is True
+    assert job.bytes_total == 50_000 and job.percent == 100

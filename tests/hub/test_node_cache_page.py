@@ -16,7 +16,7 @@ HTMX = {"HTTP_HX_REQUEST": "true"}
 @pytest.fixture
 def cached(hub_dirs, settings):
     from hardware.models import Node
-    from serving.allocation import cache_users
+    from serving.control.allocation import cache_users
 
     node = Node.objects.create(name="page-node", address="127.0.0.1", last_heartbeat=timezone.now())
     for name, size in (("free", 2048), ("busy", 4096)):  # copies on disk (the card measures them)
@@ -60,7 +60,7 @@ def test_an_operator_queues_evict_and_verify_and_is_told_why_not(cached, operato
 
 
 def test_the_card_says_why_the_agent_refused(cached, viewer):
-    CacheJob.objects.create(node="page-node", prefix="gguf/busy", action="evict", status="FAILED",
+    CacheJob.objects.create(node="page-node", target_prefix="gguf/busy", action="evict", status="FAILED",
                             error="gguf/busy is used by #9 busy-chat: unload it first", finished_at=timezone.now())
     html = _client(viewer).get("/nodes/page-node/cache/", **HTMX).content.decode()
     assert "evict failed: gguf/busy is used by #9 busy-chat" in html

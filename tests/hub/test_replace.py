@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from hub import services
+from hub import writes
+from hub.jobs import upload as upload_jobs
 from hub.models import ModelArtifact
 from tests.hub.conftest import make_model_dir, run_uploads
 
@@ -18,7 +19,7 @@ NEW = {"okfile.gguf": b"GGUF" + b"n" * 200_000, "extra.gguf": b"GGUF" + b"x" * 4
 
 
 def _old_model(store, tmp_path):
-    services.write_model("gguf/okfile", make_model_dir(tmp_path / "v1", OLD), store=store)
+    writes.write_model("gguf/okfile", make_model_dir(tmp_path / "v1", OLD), store=store)
     return store.read_manifest("gguf/okfile")
 
 
@@ -48,7 +49,7 @@ def test_the_old_model_stays_complete_and_loadable_while_a_replace_runs(store, t
             raise RuntimeError("disk unplugged")
 
     with pytest.raises(RuntimeError, match="disk unplugged"):
-        services.write_model("gguf/okfile", make_model_dir(tmp_path / "v2", NEW), store=store, replace=True,
+        writes.write_model("gguf/okfile", make_model_dir(tmp_path / "v2", NEW), store=store, replace=True,
                              progress=midway)
     assert seen == [(True, True)]  # mid-way: still the old manifest, still listed complete
     _assert_old_intact(store, before, tmp_path)
@@ -62,16 +63,16 @@ def test_a_cancelled_replace_upload_job_leaves_the_model_untouched(store, tmp_pa
     settings.IMPORT_DIRS = [tmp_path.resolve()]
     before = _old_model(store, tmp_path)
     src = make_model_dir(tmp_path / "imports" / "v2", NEW)
-    job = services.create_upload_job(local_path=str(src), format="gguf", name="okfile", replace=True, store=store)
+    job = upload_jobs.create_upload_job(local_path=str(src), format="gguf", name="okfile", replace=True, store=store)
     cancel = threading.Event()
 
     def progress(done: int, total: int) -> None:
         if done > 300_000:  # a user presses Cancel half-way
-            services.request_upload_cancel(job=job)
+            upload_jobs.request_upload_cancel(job=job)
             cancel.set()
 
-    claimed = services.claim_next_upload(node_name=settings.NODE_NAME)
-    done = services.execute_upload(claimed.pk, store=store, progress=progress, cancel=cancel)
+    claimed = upload_jobs.claim_next_upload(node_name=settings.NODE_NAME)
+    done = upload_jobs.execute_upload(claimed.pk, store=store, progress=progress, cancel=cancel)
     assert done.status == "CANCELLED" and "gguf/okfile, which it was to replace, is unchanged" in done.error
     _assert_old_intact(store, before, tmp_path)
 
@@ -80,7 +81,7 @@ def test_a_completed_replace_switches_to_the_new_files_only(store, tmp_path, set
     settings.IMPORT_DIRS = [tmp_path.resolve()]
     _old_model(store, tmp_path)
     src = make_model_dir(tmp_path / "imports" / "v2", NEW)
-    services.create_upload_job(local_path=str(src), format="gguf", name="okfile", replace=True, store=store)
+    upload_jobs.create_upload_job(local_path=str(src), format="gguf", name="okfile", replace=True, store=store)
     [job] = run_uploads(store=store)
     assert job.status == "COMPLETED", job.error
     manifest = store.read_manifest("gguf/okfile")
@@ -108,7 +109,7 @@ def test_a_switch_cut_short_by_the_store_is_finished_once_it_is_back(hub_dirs, c
 
     def write() -> None:
         try:
-            services.write_model("gguf/okfile", make_model_dir(tmp_path / "v2", NEW), store=store, replace=True)
+            writes.write_model("gguf/okfile", make_model_dir(tmp_path / "v2", NEW), store=store, replace=True)
         except Exception as exc:  # noqa: BLE001 - handed to the test
             out["error"] = exc
 
@@ -126,7 +127,7 @@ def test_a_switch_cut_short_by_the_store_is_finished_once_it_is_back(hub_dirs, c
     assert len(direct.staged_switches("gguf/okfile")) == 1, out  # kept
     counting_s3.dead = False
     counting_s3.put_delay = 0
-    assert services.finish_interrupted_switches(store=store) == ["gguf/okfile"]
+    assert writes.finish_interrupted_switches(store=store) == ["gguf/okfile"]
     manifest = direct.read_manifest("gguf/okfile")
     assert sorted(f.path for f in manifest.files) == ["extra.gguf", "okfile.gguf"]
     assert direct.get_bytes("gguf/okfile/okfile.gguf") == NEW["okfile.gguf"]

@@ -11,7 +11,8 @@ import subprocess
 import pytest
 from django.test import Client
 
-from hub import services
+from hub import locks, writes
+from hub.imports import UPLOAD_SCAN_MAX_ENTRIES
 from hub.models import PrefixLock, UploadJob
 from hub.store import FilesystemModelStore, StoreFull
 from tests.conftest import bearer
@@ -52,8 +53,8 @@ def test_part_files_and_staging_areas_are_swept_at_start_except_a_live_writers(h
     live = root / ".xgen-staging/cafe/gguf/busy"
     live.mkdir(parents=True)
     (live / "m.gguf.2233.xgen-part").write_bytes(b"z")
-    PrefixLock.objects.create(prefix="gguf/busy", holder=services.process_holder("cli"))  # this process: alive
-    removed = services.sweep_store(store=store)
+    PrefixLock.objects.create(prefix="gguf/busy", holder=locks.process_holder("cli"))  # this process: alive
+    removed = writes.sweep_store(store=store)
     assert sorted(removed) == [".xgen-staging/deadbeef", "gguf/kept/big.gguf.1a2b3c4d.xgen-part"]
     assert not (root / ".xgen-staging/deadbeef").exists() and (live / "m.gguf.2233.xgen-part").exists()
     assert store.read_manifest("gguf/kept") is not None  # the model itself is untouched
@@ -64,7 +65,7 @@ def test_delete_removes_part_files_too(hub_dirs):
     store = FilesystemModelStore(hub_dirs / "store")
     store.upload_model("gguf/old", make_model_dir(hub_dirs / "src", {"o.gguf": b"GGUF"}))
     (hub_dirs / "store/gguf/old/o.gguf.99.xgen-part").write_bytes(b"p" * 307)
-    services.delete_model(prefix="gguf/old", store=store)
+    writes.delete_model(prefix="gguf/old", store=store)
     assert not (hub_dirs / "store/gguf/old").exists()
 
 
@@ -77,12 +78,12 @@ def test_incomplete_multipart_uploads_are_aborted_at_start_and_by_delete(hub_dir
         upload_id = client._create_multipart_upload(store.bucket, key, {})
         client._upload_part(store.bucket, key, b"x" * 5 * 2**20, None, upload_id, 1)
     assert len(store.incomplete_uploads("")) == 2
-    removed = services.sweep_store(store=store)
+    removed = writes.sweep_store(store=store)
     assert sorted(removed) == [".xgen-staging/0123/gguf/other/big.gguf (incomplete upload)",
                                "gguf/m/big.gguf (incomplete upload)"]
     assert store.incomplete_uploads("") == []
     upload_id = client._create_multipart_upload(store.bucket, "gguf/m/again.gguf", {})
-    services.delete_model(prefix="gguf/m", store=store)
+    writes.delete_model(prefix="gguf/m", store=store)
     assert store.incomplete_uploads("") == [] and store.scan_models() == []
 
 
@@ -105,7 +106,7 @@ def test_a_sparse_file_larger_than_the_store_disk_is_refused_before_a_byte(small
     with open(src / "sparse.gguf", "wb") as fh:  # 1 GiB apparent, a few KB on disk
         fh.truncate(2**30)
     with pytest.raises(StoreFull, match=r"not enough free space in the store for gguf/sparse: 1024\.0 MiB to write"):
-        services.write_model("gguf/sparse", src, store=small_store)
+        writes.write_model("gguf/sparse", src, store=small_store)
     assert [p for p in small_store.root.rglob("*") if p.is_file()] == []
 
 
@@ -120,7 +121,7 @@ def test_a_store_disk_that_fills_up_during_a_write_stops_it_cleanly(small_store,
             filler.write_bytes(b"f" * 900_000)
 
     with pytest.raises(StoreFull, match="not enough free space in the store for gguf/m"):
-        services.write_model("gguf/m", src, store=small_store, replace=True, progress=another_writer)
+        writes.write_model("gguf/m", src, store=small_store, replace=True, progress=another_writer)
     assert small_store.read_manifest("gguf/m") == before  # the old model is as it was
     assert not any(p.is_file() for p in (small_store.root / ".xgen-staging").rglob("*"))  # nothing left of v2
     assert not list(small_store.root.rglob("*.xgen-part"))
@@ -129,10 +130,10 @@ def test_a_store_disk_that_fills_up_during_a_write_stops_it_cleanly(small_store,
 def test_an_upload_of_a_huge_folder_is_refused_without_walking_it(settings, hub_dirs, operator):
     imports = hub_dirs / "imports"
     folder = make_model_dir(imports / "tree", {"m.gguf": b"GGUF"})
-    for i in range(services.UPLOAD_SCAN_MAX_ENTRIES + 5):
+    for i in range(UPLOAD_SCAN_MAX_ENTRIES + 5):
         (folder / f"f{i:05d}.txt").touch()
     settings.IMPORT_DIRS = [imports]
     resp = _upload(operator.key, folder)
     assert resp.status_code == 400, resp.content
-    assert f"more than {services.UPLOAD_SCAN_MAX_ENTRIES} files and folders" in resp.json()["error"]["message"]
+    assert f"more than {UPLOAD_SCAN_MAX_ENTRIES} files and folders" in resp.json()["error"]["message"]
     assert not UploadJob.objects.exists()

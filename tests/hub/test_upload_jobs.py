@@ -13,7 +13,8 @@ import pytest
 from asgiref.sync import sync_to_async
 from django.test import Client
 
-from hub import services
+from hub import index, locks, writes
+from hub.jobs import upload as upload_jobs
 from hub.models import ModelArtifact, PrefixLock, UploadJob
 from hub.store import FilesystemModelStore, get_store
 from tests.conftest import bearer
@@ -77,10 +78,10 @@ def test_an_upload_is_a_job_the_nodes_agent_runs(hub_dirs, settings, operator, v
 
 def test_two_agents_never_claim_one_upload(hub_dirs, settings, tmp_path):
     src = make_model_dir(tmp_path / "src", {"a.gguf": b"a"})
-    job = services.create_upload_job(local_path=str(src), format="gguf", name="once")
-    first = services.claim_next_upload(node_name=settings.NODE_NAME)
+    job = upload_jobs.create_upload_job(local_path=str(src), format="gguf", name="once")
+    first = upload_jobs.claim_next_upload(node_name=settings.NODE_NAME)
     assert first.pk == job.pk and first.status == "UPLOADING"
-    assert services.claim_next_upload(node_name=settings.NODE_NAME) is None
+    assert upload_jobs.claim_next_upload(node_name=settings.NODE_NAME) is None
 
 
 def test_a_path_on_another_node_is_checked_by_that_nodes_agent(hub_dirs, settings, operator, tmp_path):
@@ -100,7 +101,7 @@ def test_a_path_on_another_node_is_checked_by_that_nodes_agent(hub_dirs, setting
 
 def test_the_upload_page_lists_jobs_from_the_database(hub_dirs, admin, tmp_path):
     src = make_model_dir(tmp_path / "src", {"p.gguf": b"p" * 10})
-    other = services.create_upload_job(local_path=str(src), format="gguf", name="elsewhere")  # any web process
+    other = upload_jobs.create_upload_job(local_path=str(src), format="gguf", name="elsewhere")  # any web process
     c = Client()
     c.force_login(admin.user)
     page = c.get("/models/upload/").content.decode()
@@ -147,23 +148,23 @@ def test_a_lock_whose_holder_has_ended_is_taken_over(hub_dirs, tmp_path):
     os.waitpid(dead, 0)
     for holder in ("upload:9999", f"cli:{socket.gethostname()}:{dead}"):
         PrefixLock.objects.create(prefix="gguf/stale", holder=holder)
-        job = services.create_upload_job(local_path=str(src), format="gguf", name="stale")
+        job = upload_jobs.create_upload_job(local_path=str(src), format="gguf", name="stale")
         assert PrefixLock.objects.get(prefix="gguf/stale").holder == f"upload:{job.pk}"
-        services.request_upload_cancel(job=job)
+        upload_jobs.request_upload_cancel(job=job)
         assert not PrefixLock.objects.exists()
     PrefixLock.objects.create(prefix="gguf/stale", holder=f"cli:{socket.gethostname()}:{os.getpid()}")
-    with pytest.raises(services.PrefixBusy, match="manage.py hub_upload"):
-        services.create_upload_job(local_path=str(src), format="gguf", name="stale")
+    with pytest.raises(locks.PrefixBusy, match="manage.py hub_upload"):
+        upload_jobs.create_upload_job(local_path=str(src), format="gguf", name="stale")
 
 
 def test_hub_upload_holds_the_lock_and_refuses_to_overwrite(hub_dirs, tmp_path, capsys):
     from django.core.management import CommandError, call_command
 
     src = make_model_dir(tmp_path / "src", {"cli.gguf": b"c" * 100})
-    job = services.create_upload_job(local_path=str(src), format="gguf", name="cli")
+    job = upload_jobs.create_upload_job(local_path=str(src), format="gguf", name="cli")
     with pytest.raises(CommandError, match=f"being written by upload job {job.pk}"):
         call_command("hub_upload", str(src), "--format", "gguf", "--name", "cli")
-    services.request_upload_cancel(job=job)
+    upload_jobs.request_upload_cancel(job=job)
     call_command("hub_upload", str(src), "--format", "gguf", "--name", "cli")
     assert "gguf/cli: 1 files, 100 bytes" in capsys.readouterr().out
     (src / "cli.gguf").write_bytes(b"d" * 50)
@@ -208,8 +209,8 @@ def test_a_replace_whose_file_vanishes_mid_copy_leaves_the_old_model(hub_dirs, o
         listed_during.append(ModelArtifact.objects.get(prefix="gguf/victim").complete)
         (v2 / "b.gguf").unlink(missing_ok=True)
 
-    job = services.claim_next_upload(node_name=UploadJob.objects.first().node)
-    failed = services.execute_upload(job.pk, progress=progress)
+    job = upload_jobs.claim_next_upload(node_name=UploadJob.objects.first().node)
+    failed = upload_jobs.execute_upload(job.pk, progress=progress)
     assert failed.status == "FAILED" and "b.gguf went away after it was checked" in failed.error
     assert listed_during and all(listed_during)  # the old model stayed listed complete (issue 34 #10)
     store = get_store()
@@ -230,12 +231,12 @@ async def test_a_replace_cut_off_by_the_store_is_never_listed_complete(hub_dirs,
     store = minio_store_for(counting_s3.endpoint)
     direct = minio_store_for(s3)
     v1 = make_model_dir(tmp_path / "v1", {"model.gguf": b"1" * 300_000})
-    await sync_to_async(services.write_model)("gguf/victim", v1, store=store)
+    await sync_to_async(writes.write_model)("gguf/victim", v1, store=store)
     assert (await sync_to_async(ModelArtifact.objects.get)(prefix="gguf/victim")).complete
     v2 = make_model_dir(tmp_path / "v2", {"model.gguf": b"2" * 300_000, "more.gguf": b"3" * 300_000})
-    job = await sync_to_async(services.create_upload_job)(local_path=str(v2), format="gguf", name="victim",
+    job = await sync_to_async(upload_jobs.create_upload_job)(local_path=str(v2), format="gguf", name="victim",
                                                           replace=True, store=store)
-    await sync_to_async(services.claim_next_upload)(node_name=job.node)
+    await sync_to_async(upload_jobs.claim_next_upload)(node_name=job.node)
     counting_s3.reset()
     counting_s3.put_delay = 0.5
     task = asyncio.create_task(run_upload_job(job.pk, store=store))
@@ -260,8 +261,8 @@ async def test_cancel_stops_a_running_upload_and_leaves_nothing(hub_dirs, operat
 
     store = SlowStore(hub_dirs / "store")
     src = make_model_dir(tmp_path / "src", {"big.gguf": os.urandom(8 * 2**20), "small.gguf": b"s" * 10})
-    job = await sync_to_async(services.create_upload_job)(local_path=str(src), format="gguf", name="cancelled")
-    await sync_to_async(services.claim_next_upload)(node_name=job.node)
+    job = await sync_to_async(upload_jobs.create_upload_job)(local_path=str(src), format="gguf", name="cancelled")
+    await sync_to_async(upload_jobs.claim_next_upload)(node_name=job.node)
     task = asyncio.create_task(run_upload_job(job.pk, store=store))
     for _ in range(100):
         await asyncio.sleep(0.05)
@@ -289,13 +290,13 @@ def test_a_pending_upload_is_cancelled_at_once(hub_dirs, operator, viewer, tmp_p
 
 def test_an_upload_cut_short_by_an_agent_restart_fails_with_the_reason(hub_dirs, settings, tmp_path):
     src = make_model_dir(tmp_path / "src", {"a.gguf": b"a" * 10})
-    job = services.create_upload_job(local_path=str(src), format="gguf", name="orphan")
-    services.claim_next_upload(node_name=settings.NODE_NAME)
+    job = upload_jobs.create_upload_job(local_path=str(src), format="gguf", name="orphan")
+    upload_jobs.claim_next_upload(node_name=settings.NODE_NAME)
     store = get_store()
     store.put_bytes("gguf/orphan/a.gguf", b"a" * 4)  # what it had written when the agent died
-    services.index_prefix("gguf/orphan", store=store)
-    waiting = services.create_upload_job(local_path=str(src), format="gguf", name="later")
-    assert services.fail_orphaned_uploads(node_name=settings.NODE_NAME) == 1
+    index.index_prefix("gguf/orphan", store=store)
+    waiting = upload_jobs.create_upload_job(local_path=str(src), format="gguf", name="later")
+    assert upload_jobs.fail_orphaned_uploads(node_name=settings.NODE_NAME) == 1
     job.refresh_from_db()
     assert job.status == "FAILED" and "node agent restarted" in job.error
     assert store.list_files("gguf/orphan") == [] and not ModelArtifact.objects.filter(prefix="gguf/orphan").exists()
@@ -311,9 +312,9 @@ async def test_the_hub_worker_runs_uploads_and_fails_what_a_restart_cut_short(hu
 
     agent = SimpleNamespace(name=settings.NODE_NAME)
     src = make_model_dir(tmp_path / "src", {"w.gguf": b"w" * 1000})
-    cut = await sync_to_async(services.create_upload_job)(local_path=str(src), format="gguf", name="cut")
-    await sync_to_async(services.claim_next_upload)(node_name=agent.name)  # claimed by the agent before
-    job = await sync_to_async(services.create_upload_job)(local_path=str(src), format="gguf", name="worked")
+    cut = await sync_to_async(upload_jobs.create_upload_job)(local_path=str(src), format="gguf", name="cut")
+    await sync_to_async(upload_jobs.claim_next_upload)(node_name=agent.name)  # claimed by the agent before
+    job = await sync_to_async(upload_jobs.create_upload_job)(local_path=str(src), format="gguf", name="worked")
     worker = HubWorker()
     await worker.start(agent)
     cut = await sync_to_async(UploadJob.objects.get)(pk=cut.pk)

@@ -152,7 +152,7 @@ def test_a_channel_layer_that_hangs_never_holds_up_a_sender(settings):
 
     from live import groups
     from live.publish import publish_sync
-    from serving.services import nudge_node
+    from serving.control.services import nudge_node
 
     silent = socket.socket()
     silent.bind(("127.0.0.1", 0))

@@ -62,9 +62,9 @@ print(json.dumps(ids))
             time.sleep(0.1)
 
 
-def _start_console(tmp_path_factory, server: str) -> Iterator[ProxyConsole]:
+def _start_console(tmp_path_factory, server: str | None) -> Iterator[ProxyConsole]:
     console = start_console(
-        tmp_path_factory.mktemp(f"proxy-console-{server}"), server=server,
+        tmp_path_factory.mktemp(f"proxy-console-{server or 'default'}"), server=server,
         # The backend node's heartbeat is written once by the test; keep it fresh for the module.
         extra_env={"XGEN_NODE_STALE_AFTER": "3600", "XGEN_NODE_OFFLINE_AFTER": "7200",
                    "XGEN_PROXY_MAX_BODY": str(PROXY_MAX_BODY)},
@@ -82,14 +82,14 @@ def _start_console(tmp_path_factory, server: str) -> Iterator[ProxyConsole]:
 
 @pytest.fixture(scope="module")
 def proxy_console(tmp_path_factory) -> Iterator[ProxyConsole]:
-    """A real `manage.py serve` (daphne) with a viewer's API key."""
-    yield from _start_console(tmp_path_factory, "daphne")
+    """A real `manage.py serve` on its default server (uvicorn, as in production) with a viewer's API key."""
+    yield from _start_console(tmp_path_factory, None)
 
 
 @pytest.fixture(scope="module")
-def proxy_console_uvicorn(tmp_path_factory) -> Iterator[ProxyConsole]:
-    """A real `manage.py serve --server uvicorn` with a viewer's API key."""
-    yield from _start_console(tmp_path_factory, "uvicorn")
+def proxy_console_daphne(tmp_path_factory) -> Iterator[ProxyConsole]:
+    """A real `manage.py serve --server daphne` with a viewer's API key (the tests that run on both servers)."""
+    yield from _start_console(tmp_path_factory, "daphne")
 
 
 @pytest.fixture(scope="session")

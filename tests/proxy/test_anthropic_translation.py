@@ -8,8 +8,9 @@ import pytest
 
 from serving.adapters import get_adapter
 from serving.proxy import anthropic
-from serving.proxy.app import openai_error_for, resolve_route
 from serving.proxy.errors import ProxyError
+from serving.proxy.relay import openai_error_for
+from serving.proxy.routing import resolve_route
 
 
 def test_which_backend_serves_which_optional_route():

@@ -67,7 +67,7 @@ class ToolBackend(AiohttpBackend):
 
 @pytest.fixture(scope="module", params=["daphne", "uvicorn"])
 def api(request, backends):
-    proxy_console = request.getfixturevalue("proxy_console" if request.param == "daphne" else "proxy_console_uvicorn")
+    proxy_console = request.getfixturevalue("proxy_console_daphne" if request.param == "daphne" else "proxy_console")
     native = backends.start("ls-chat", engine="llama-server")
     translated = backends.start("lcp-chat", engine="llama-cpp-python")
     tools = ToolBackend()

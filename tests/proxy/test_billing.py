@@ -282,14 +282,21 @@ def test_a_client_that_closes_at_done_is_a_200_billed_in_full(billing, engine):
         assert (row["status"], row["prompt_tokens"], row["completion_tokens"]) == (200, prompt, completion), row
 
 
+def _in_flight(console, model: str) -> int:
+    """Requests the proxy has at the model's backend now (its /v1/models count)."""
+    listing = httpx.get(f"{console.url}/v1/models", headers=console.auth, timeout=5).json()["data"]
+    return sum(i["in_flight"] for m in listing if m["id"] == model for i in m.get("instances") or [])
+
+
 @pytest.mark.parametrize("engine", ENGINES)
 def test_a_request_abandoned_before_the_first_byte_is_a_499_billed_its_prompt(billing, engine):
     """Issue 35 item 4: a client that timed out before the backend's first byte left no row and no
     usage, though the engine did the work."""
     key_id, key = new_key(billing)
     # ~1,300 prompt tokens and up to 200 more generated: the answer's first byte is 100 ms or more
-    # away even on an idle machine, and the client leaves 30 ms after sending (a client
-    # timeout of 0.15 s was answered in time on an idle machine).
+    # away even on an idle machine, and the client leaves as soon as the proxy's own count shows
+    # the request at the backend (a fixed 30 ms wait was too short on a loaded machine: the
+    # client left before the proxy read the body, which is no request at all).
     body = body_for("chat", MODELS[engine], words(400), 200)
     payload = json.dumps(body).encode()
     host, port = billing.url.removeprefix("http://").split(":")
@@ -297,7 +304,10 @@ def test_a_request_abandoned_before_the_first_byte_is_a_499_billed_its_prompt(bi
         s.sendall(b"POST %s HTTP/1.1\r\nhost: %s\r\nauthorization: Bearer %s\r\n"
                   b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
                   % (PATHS["chat"].encode(), host.encode(), key.encode(), len(payload), payload))
-        time.sleep(0.03)  # past the proxy's forwarding (a close before it reads the body is no request)
+        deadline = time.monotonic() + 20
+        while _in_flight(billing, MODELS[engine]) < 1:
+            assert time.monotonic() < deadline, "the request never reached the backend"
+            time.sleep(0.005)
     # llama-cpp-python finishes the abandoned answer before it counts anything (one request at a time)
     deadline = time.monotonic() + 120
     rows = []

@@ -13,6 +13,7 @@ from accounts.credentials import Principal
 from live.db import db_async
 from serving.proxy import app
 from serving.proxy import replicas as routing_table
+from serving.proxy import routing as proxy_routing  # the model list's module, where it reads the table
 
 ADMIN = Principal(user_id=1, username="admin", role="admin", key_id=1)
 
@@ -55,7 +56,7 @@ async def test_a_key_lookup_while_the_database_is_down_is_503_then_works(monkeyp
         return ADMIN
 
     monkeypatch.setattr(auth, "alookup_key", db_async(lookup))
-    monkeypatch.setattr(app, "routing_table", routing_table.RoutingTable())
+    monkeypatch.setattr(proxy_routing, "routing_table", routing_table.RoutingTable())
     monkeypatch.setattr(routing_table, "_read_rows", lambda paused_s=0.0: ([], set(), []))
     key = [(b"authorization", b"Bearer xg-not-cached-" + b"1" * 20)]
     _assert_unavailable(*await _get("/v1/models", key))
@@ -74,7 +75,7 @@ async def test_no_routing_table_yet_while_the_database_is_down_is_503_not_an_emp
 
     table = routing_table.RoutingTable()
     monkeypatch.setattr(auth, "alookup_key", admin)
-    monkeypatch.setattr(app, "routing_table", table)
+    monkeypatch.setattr(proxy_routing, "routing_table", table)
     monkeypatch.setattr(routing_table, "_read_rows", _down)
     key = [(b"authorization", b"Bearer xg-some-key")]
     _assert_unavailable(*await _get("/v1/models", key))

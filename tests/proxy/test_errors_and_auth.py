@@ -273,7 +273,7 @@ def test_new_request_ids_are_uuid7_and_ordered_by_time():
     import time
     import uuid
 
-    from serving.proxy.app import new_request_id
+    from serving.proxy.bodies import new_request_id
 
     first = [new_request_id() for _ in range(5000)]
     time.sleep(0.003)
@@ -296,8 +296,9 @@ def test_new_request_ids_are_uuid7_and_ordered_by_time():
     (b'\xef\xbb\xbf{"stream": true, "model": "m"}', False),
 ])
 async def test_stream_usage_is_asked_for_without_rewriting_the_body(body, kept):
-    from serving.proxy.app import admit_request, parse_body
-    from serving.usage import RequestContext
+    from serving.proxy.admission import admit_request
+    from serving.proxy.bodies import parse_body
+    from serving.proxy.usage import RequestContext
 
     ctx = RequestContext(request_id="r")
     out = await admit_request(ctx, parse_body(body), body, operation="chat")
@@ -310,8 +311,8 @@ async def test_stream_usage_is_asked_for_without_rewriting_the_body(body, kept):
 
 
 async def test_stream_options_the_client_sent_are_kept_beside_include_usage():
-    from serving.proxy.app import admit_request
-    from serving.usage import RequestContext
+    from serving.proxy.admission import admit_request
+    from serving.proxy.usage import RequestContext
 
     ctx = RequestContext(request_id="r")
     payload = {"model": "m", "stream": True, "stream_options": {"continuous_usage_stats": True}}

@@ -10,8 +10,7 @@ from django.db import InterfaceError
 from django.utils import timezone
 from prometheus_client.parser import text_string_to_metric_families
 
-from serving import fleet_metrics
-from serving.proxy import app
+from serving.proxy import app, fleet_metrics
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

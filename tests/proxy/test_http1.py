@@ -244,6 +244,19 @@ async def test_idle_connections_close_after_keepalive(client, monkeypatch):
         assert client.stats() == (0, 0)
 
 
+async def test_a_connection_idle_near_the_engines_keepalive_is_not_reused(client):
+    """llama-server and uvicorn (llama-cpp-python, vLLM) close a connection idle for 5 s; a reuse
+    near that instant can cross their close and end in a 502. A connection idle 4.2 s is closed,
+    not reused: the second request opens a new one (the backend here never closes on its own)."""
+    async with Backend(fixed(JSON_OK)) as backend:
+        for pause in (0, 4.2):
+            await asyncio.sleep(pause)
+            response = await client.post(backend.url, "/x", b"", b"")
+            await response.read()
+            response.release()
+        assert backend.connections == 2
+
+
 async def test_a_target_with_unsafe_bytes_is_quoted(client):
     async with Backend(fixed(JSON_OK)) as backend:
         response = await client.post(backend.url, "/x?q=a b\r\nx", b"", b"")

@@ -2,7 +2,7 @@
 `upstream_timeout` before any byte, an SSE error event with that code mid-stream, the
 connection closed and the request counted), a POST never sent twice, and an error page over
 64 KiB counted as the backend's status, not as a client that left. In process: the proxy's own
-ASGI app (serving.inference_api.run_proxy) in front of a scripted loopback backend."""
+ASGI app (serving.web.inference_api.run_proxy) in front of a scripted loopback backend."""
 from __future__ import annotations
 
 import asyncio
@@ -26,9 +26,9 @@ def proxy(transactional_db, viewer, settings, monkeypatch):
     from django.utils import timezone
 
     from hardware.models import Node
-    from serving.inference_api import run_proxy
     from serving.models import ModelInstance
     from serving.proxy.replicas import routing_table
+    from serving.web.inference_api import run_proxy
 
     settings.QUEUE_MAX = 0
     settings.PROXY_IDLE_TIMEOUT_S = 1

@@ -102,7 +102,7 @@ def test_the_playground_goes_through_the_proxy_as_the_signed_in_user(one_slot_ti
     import re
 
     from serving.models import RequestLog
-    from serving.usage import recorder
+    from serving.proxy.usage import recorder
 
     client = _signed_in(viewer.user)
     r = _playground(client, one_slot_tiny.pk, "hello there")

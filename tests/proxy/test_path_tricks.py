@@ -72,7 +72,7 @@ def recorder() -> Iterator[RecordingBackend]:
 
 @pytest.fixture(scope="module", params=["daphne", "uvicorn"])
 def tricked(request, recorder):
-    console = request.getfixturevalue("proxy_console" if request.param == "daphne" else "proxy_console_uvicorn")
+    console = request.getfixturevalue("proxy_console_daphne" if request.param == "daphne" else "proxy_console")
     console.set_instances([{"name": "trick", "port": recorder.port, "backend": "llama-server"}])
     console.wait_models({"trick"})
     return console

@@ -20,10 +20,9 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
 
 @pytest.fixture(scope="module")
-def engines(proxy_console_uvicorn, backends):
+def engines(proxy_console, backends):
     """uvicorn, the default server (under daphne, Twisted answers a bare 400 itself to a body
     labelled multipart that it cannot parse as one, before the console sees it)."""
-    proxy_console = proxy_console_uvicorn
     # The slot test's answer must outlast its client by far: llama-server caps a slot at the tiny
     # model's 2,048 tokens (done in about a second here), so it shifts the context and goes on
     # (30,000 tokens took 150 s here, read to the end).

@@ -17,17 +17,17 @@ QUERY = {"query": "hello world", "documents": ["the GPU", "hello world", "water"
 
 
 @pytest.fixture(scope="module")
-def fleet(proxy_console_uvicorn, backends, tiny_reranker):
+def fleet(proxy_console, backends, tiny_reranker):
     reranker = backends.start("tiny-rr", engine="llama-server", model=tiny_reranker, rerank=True)
     llm = backends.start("ls-chat", engine="llama-server")
-    proxy_console_uvicorn.set_instances([
+    proxy_console.set_instances([
         {"name": "tiny-rr", "port": reranker.port, "backend": "llama-server", "type": "rerank"},
         {"name": "ls-chat", "port": llm.port, "backend": "llama-server"},
         # Never reached: the type check refuses before forwarding.
         {"name": "stub-embed", "port": llm.port, "backend": "llama-server", "type": "embedding"},
     ])
-    proxy_console_uvicorn.wait_models({"tiny-rr", "ls-chat", "stub-embed"})
-    yield proxy_console_uvicorn, reranker
+    proxy_console.wait_models({"tiny-rr", "ls-chat", "stub-embed"})
+    yield proxy_console, reranker
     for server in (reranker, llm):
         stop_process(server.proc)
 

@@ -26,7 +26,7 @@ def _ready_instance(name: str):
 
 
 async def test_a_pushed_state_change_refreshes_the_table_without_a_request_waiting(monkeypatch):
-    from serving import events
+    from serving.control import events
 
     monkeypatch.setattr(replicas, "REFRESH_S", 3600.0)  # no timer: only the push can refresh it
     table = replicas.RoutingTable(listen=True)

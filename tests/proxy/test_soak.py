@@ -113,8 +113,8 @@ def _settled(url: str, headers: dict, baseline: dict, timeout: float = 15) -> di
         time.sleep(0.25)
 
 
-def test_soak_2000_requests_no_5xx_no_leaks(proxy_console_uvicorn, soak_backend, capsys):
-    console = proxy_console_uvicorn
+def test_soak_2000_requests_no_5xx_no_leaks(proxy_console, soak_backend, capsys):
+    console = proxy_console
     console.set_instances([{"name": "soak", "port": soak_backend.port}])
     console.wait_models({"soak"})
     headers = console.auth

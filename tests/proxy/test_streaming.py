@@ -19,7 +19,7 @@ STEADY = {"prompt": "a", "max_tokens": 1500, "temperature": 0, "stream": True, "
 
 @pytest.fixture(scope="module", params=["daphne", "uvicorn"])
 def console(request):
-    return request.getfixturevalue("proxy_console" if request.param == "daphne" else "proxy_console_uvicorn")
+    return request.getfixturevalue("proxy_console_daphne" if request.param == "daphne" else "proxy_console")
 
 
 def _timed_stream(url: str, headers: dict, body: dict) -> tuple[list[float], list[str]]:

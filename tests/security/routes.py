@@ -7,17 +7,32 @@ from django.urls import URLPattern, URLResolver, get_resolver
 
 from accounts.auth import ApiKeyAuth, SessionAuthWithCsrf
 
-PUBLIC_PAGES = {"/health", "/healthz", "/readyz", "/accounts/login/"}
+# Single sign-on (issue 26): public, as a sign-in page is; 404 while XGEN_OIDC_ISSUER is unset (so in
+# the matrix). tests/security/test_sso_routes.py checks them configured, against a real provider.
+SSO_PAGES = {"/accounts/oidc/login/", "/accounts/oidc/callback/"}
+PUBLIC_PAGES = {"/health", "/healthz", "/readyz", "/accounts/login/", *SSO_PAGES}
 MISSING_ID = "999999"
 # Routes added for 0.2 (issue 14) and the role each needs; the matrix fails if one goes missing.
 ADDED_PAGES = {("/usage/", None), ("/requests/", None), ("/audit/", "admin"), ("/keys/1/", "admin"),
-               ("/", "viewer")}  # the dashboard (issue 16)
+               ("/", "viewer"),  # the dashboard (issue 16)
+               ("/teams/", None), ("/teams/1/", None)}  # teams (issue 26): admins, and a lead its own team
 ADDED_API = {
     ("POST", "/api/keys", "admin"), ("GET", "/api/keys", "admin"), ("GET", f"/api/keys/{MISSING_ID}", "admin"),
     ("PATCH", f"/api/keys/{MISSING_ID}", "admin"), ("DELETE", f"/api/keys/{MISSING_ID}", "admin"),
     ("GET", "/api/usage", "viewer"), ("GET", "/api/usage/chargeback", "viewer"), ("GET", "/api/requests", "viewer"),
     ("GET", "/api/audit", "admin"),
     ("POST", "/api/management/start", "operator"),  # issue 13: start an IDLE on_demand instance
+    ("POST", "/api/management/scale", "operator"),  # issue 30: a model's replica count
+    ("POST", "/api/management/autoscale", "operator"),  # issue 30: its autoscaling settings
+    ("POST", "/api/management/rollout", "operator"),  # issue 30: a rolling restart of its replicas
+    # Teams (issue 26): admins change teams; reading a team and its keys is for admins and the team's
+    # lead (the view holds a lead to its own teams: 404 for another; test_auth_matrix checks it).
+    ("GET", "/api/teams", "viewer"), ("POST", "/api/teams", "admin"), ("GET", f"/api/teams/{MISSING_ID}", "viewer"),
+    ("PATCH", f"/api/teams/{MISSING_ID}", "admin"), ("DELETE", f"/api/teams/{MISSING_ID}", "admin"),
+    ("POST", f"/api/teams/{MISSING_ID}/members", "admin"),
+    ("DELETE", f"/api/teams/{MISSING_ID}/members/{MISSING_ID}", "admin"),
+    ("GET", f"/api/teams/{MISSING_ID}/keys", "viewer"), ("POST", f"/api/teams/{MISSING_ID}/keys", "viewer"),
+    ("DELETE", f"/api/teams/{MISSING_ID}/keys/{MISSING_ID}", "viewer"),
 }
 # What the proxy (the ASGI app ahead of Django) answers, beyond the Ninja operations it mirrors:
 # the engines' inference routes (serving/adapters inference_routes). (method, path, role); checked

@@ -11,6 +11,7 @@ from tests.security.routes import (
     ADDED_PAGES,
     MISSING_ID,
     PUBLIC_PAGES,
+    SSO_PAGES,
     api_operations,
     page_routes,
 )
@@ -42,11 +43,14 @@ def test_the_matrix_sees_every_route():
     assert "/models/uploads/1/cancel/" in pages
     # Rerank and score (issue 15): inference, open to every role.
     assert {("POST", "/api/inference/v1/rerank", "viewer"), ("POST", "/api/inference/v1/score", "viewer")} <= set(ops)
-    # Node caches: the hub's router at the node's URL; viewers look, operators evict and verify.
+    # Node caches: the hub's router at the node's URL; viewers look, operators evict, verify and
+    # cancel either (issue 24 #4: cache jobs cancel as the other jobs do).
     assert {("GET", f"/api/hardware/nodes/{MISSING_ID}/cache", "viewer"),
             ("POST", f"/api/hardware/nodes/{MISSING_ID}/cache/evict", "operator"),
             ("POST", f"/api/hardware/nodes/{MISSING_ID}/cache/verify", "operator"),
-            ("GET", f"/api/hardware/nodes/{MISSING_ID}/cache/jobs/{MISSING_ID}", "viewer")} <= set(ops)
+            ("GET", f"/api/hardware/nodes/{MISSING_ID}/cache/jobs/{MISSING_ID}", "viewer"),
+            ("POST", f"/api/hardware/nodes/{MISSING_ID}/cache/jobs/{MISSING_ID}/cancel", "operator")} <= set(ops)
+    assert ("/nodes/n/cache/jobs/1/cancel/", "operator") in page_routes()
 
 
 @pytest.mark.django_db
@@ -57,7 +61,7 @@ def test_pages_by_role(admin, operator, viewer):
     for path, role in page_routes():
         anon_status = anon.get(path).status_code
         if path in PUBLIC_PAGES:
-            assert anon_status in (200, 503), path
+            assert anon_status in ((404,) if path in SSO_PAGES else (200, 503)), path
             continue
         assert anon_status == 302, (path, anon_status)
         for name, account in accounts.items():
@@ -153,3 +157,40 @@ async def test_proxy_routes_by_key_scope(admin):
             else:
                 # No model is loaded here: 503 no_backend or 404 is an answer past auth; 500 never.
                 assert status not in (401, 403, 500), (method, path, scope, status, body[:200])
+
+
+@pytest.mark.django_db
+def test_a_team_lead_reaches_its_own_team_and_nothing_of_another(client):
+    """Every team route (API and pages) x a team lead (a viewer) on its own team and on another:
+    its own team's reads and key writes pass; another team's answer 404 (as a team that does not
+    exist: not even its id is confirmed), and the admin-only writes 403 on both."""
+    from accounts.services import add_member, create_api_key, create_team, create_user
+
+    mine, theirs = create_team(name="Mine"), create_team(name="Theirs")
+    lead = create_user(username="lena-lead", role="viewer", password="lena-lead-pass-1")
+    add_member(team=mine, user=lead, is_lead=True)
+    _, key = create_api_key(user=lead, name="lena-key")
+    browser = Client()
+    browser.force_login(lead)
+    routes = [r for r in api_operations() if r[1].startswith(f"/api/teams/{MISSING_ID}")]
+    assert len(routes) >= 8
+    for method, path, role in routes:
+        call = getattr(client, method.lower())
+        for team, own in ((mine, True), (theirs, False)):
+            concrete = path.replace(MISSING_ID, str(team.pk), 1)
+            body = {"name": "k"} if method == "POST" else {}
+            response = call(concrete, data=body, content_type="application/json", HTTP_AUTHORIZATION=f"Bearer {key}")
+            status = response.status_code
+            if role == "admin":
+                assert status == 403 and response.json()["error"]["code"] == "insufficient_role", (method, concrete)
+            elif own:
+                assert status not in (401, 403) and status < 500, (method, concrete, status, response.content[:300])
+                answer = response.json()
+                assert not isinstance(answer, dict) or answer.get("error", {}).get("code") != "team_not_found", (
+                    method, concrete)
+            else:
+                assert status == 404 and response.json()["error"]["code"] == "team_not_found", (method, concrete, status)
+    assert browser.get(f"/teams/{mine.pk}/").status_code == 200
+    assert browser.get(f"/teams/{theirs.pk}/").status_code == 404
+    assert browser.post(f"/teams/{theirs.pk}/", {"action": "key_create", "name": "x"}).status_code == 404
+    assert browser.post(f"/teams/{mine.pk}/", {"action": "limits", "rpm": "1"}).status_code == 404  # admins only

@@ -51,8 +51,26 @@ def test_the_upload_job_operations_are_fuzzed():
             "POST /api/storage/uploads/{job_id}/cancel"} <= set(OPERATIONS)
 
 
+def test_the_cache_job_operations_are_fuzzed():
+    assert {"POST /api/hardware/nodes/{name}/cache/verify", "GET /api/hardware/nodes/{name}/cache/jobs/{job_id}",
+            "POST /api/hardware/nodes/{name}/cache/jobs/{job_id}/cancel"} <= set(OPERATIONS)
+
+
 def test_the_on_demand_operations_are_fuzzed():
     assert {"POST /api/management/start", "POST /api/management/load"} <= set(OPERATIONS)
+
+
+def test_the_team_operations_are_fuzzed():
+    assert {"GET /api/teams", "POST /api/teams", "GET /api/teams/{team_id}", "PATCH /api/teams/{team_id}",
+            "DELETE /api/teams/{team_id}", "POST /api/teams/{team_id}/members",
+            "DELETE /api/teams/{team_id}/members/{username}", "GET /api/teams/{team_id}/keys",
+            "POST /api/teams/{team_id}/keys", "DELETE /api/teams/{team_id}/keys/{key_id}"} <= set(OPERATIONS)
+    assert {"POST /api/teams", "PATCH /api/teams/{team_id}", "POST /api/teams/{team_id}/keys"} <= set(OWN_BODIES)
+
+
+def test_the_replica_operations_are_fuzzed():
+    for label in ("POST /api/management/scale", "POST /api/management/autoscale", "POST /api/management/rollout"):
+        assert label in OPERATIONS and label in OWN_BODIES
 
 
 # Changing and revoking keys go last (in this order): a case may revoke the key the fuzzer signs with.

@@ -131,3 +131,14 @@ def wait_api(url: str, key: str, predicate, timeout: float = 60) -> dict:
             return body
         time.sleep(0.1)
     raise AssertionError(f"timed out; last: {body}")
+
+
+@pytest.fixture
+def node(serving_settings, db):
+    """node-t, registered, with llama-cpp-python as its only backend (no agent runs)."""
+    from hardware.services import register_node
+
+    n = register_node(name=NODE, address="127.0.0.1")
+    n.backends = [LLAMA_CPP_PYTHON]
+    n.save()
+    return n

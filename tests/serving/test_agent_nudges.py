@@ -8,7 +8,7 @@ import time
 
 from channels.layers import InMemoryChannelLayer
 
-from serving.events import node_group
+from serving.control.events import node_group
 from serving.node import agent as agent_module
 from serving.node.agent import NodeAgent
 

@@ -6,19 +6,8 @@ import pytest
 
 from serving.models import InstanceState, ModelInstance
 from tests.conftest import bearer
-from tests.serving.conftest import LLAMA_CPP_PYTHON, NODE
 
 pytestmark = pytest.mark.django_db
-
-
-@pytest.fixture
-def node(serving_settings):
-    from hardware.services import register_node
-
-    n = register_node(name=NODE, address="127.0.0.1")
-    n.backends = [LLAMA_CPP_PYTHON]
-    n.save()
-    return n
 
 
 def _load(client, operator, tiny_gguf, name, aliases):

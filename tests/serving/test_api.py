@@ -10,16 +10,6 @@ from tests.serving.conftest import LLAMA_CPP_PYTHON, NODE
 pytestmark = pytest.mark.django_db
 
 
-@pytest.fixture
-def node(serving_settings):
-    from hardware.services import register_node
-
-    n = register_node(name=NODE, address="127.0.0.1")
-    n.backends = [LLAMA_CPP_PYTHON]
-    n.save()
-    return n
-
-
 def post(client, path, body, key):
     return client.post(f"/api/management/{path}", body, content_type="application/json", **bearer(key))
 
@@ -37,7 +27,8 @@ def test_load_answers_202_with_the_choice(client: Client, node, operator, tiny_g
     body = r.json()
     assert set(body) == {"id", "model_name", "state", "backend", "backend_reason", "node", "gpus",
                          "policy", "idle_ttl_s", "pinned", "max_concurrency", "autostart",  # issue 13
-                         "first_byte_timeout_s"}  # issue 23
+                         "first_byte_timeout_s",  # issue 23
+                         "replica", "replicas", "replicas_wanted", "partial", "refused"}  # issue 30
     assert (body["policy"], body["pinned"], body["max_concurrency"]) == ("always", False, None)
     assert body["state"] == "PENDING" and body["backend"] == "llama-cpp-python" and body["node"] == NODE
     assert body["gpus"] == [] and body["backend_reason"] == "GGUF on CPU-only -> llama-cpp-python (cpu) (on node-t)"

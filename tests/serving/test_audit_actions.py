@@ -7,19 +7,9 @@ from django.test import Client
 
 from accounts.models import AuditEvent
 from tests.conftest import bearer
-from tests.serving.conftest import LLAMA_CPP_PYTHON, NODE
+from tests.serving.conftest import NODE
 
 pytestmark = pytest.mark.django_db
-
-
-@pytest.fixture
-def node(serving_settings):
-    from hardware.services import register_node
-
-    n = register_node(name=NODE, address="127.0.0.1")
-    n.backends = [LLAMA_CPP_PYTHON]
-    n.save()
-    return n
 
 
 def rows() -> list[tuple]:

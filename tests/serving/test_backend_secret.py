@@ -22,7 +22,7 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 
 def _load(path: Path, name: str, backend: str) -> ModelInstance:
-    from serving.services import request_load
+    from serving.control.services import request_load
 
     return request_load(model_path=str(path), model_name=name, backend=backend)
 
@@ -30,7 +30,7 @@ def _load(path: Path, name: str, backend: str) -> ModelInstance:
 def _start_with_plan(model: Path, name: str, change: Callable[[list[str]], list[str]]) -> ModelInstance:
     """A llama-server instance started with its stored argv changed by `change` (on_demand: it
     stays IDLE, with no process, until the plan is changed)."""
-    from serving.services import request_load, request_start
+    from serving.control.services import request_load, request_start
 
     llama_server_binary()
     inst = request_load(model_path=str(model), model_name=name, backend="llama-server", policy="on_demand")
@@ -79,7 +79,7 @@ async def test_a_backend_refuses_whoever_lacks_its_secret(agent, tiny_gguf, engi
 async def test_a_llama_server_plan_stored_before_secrets_gets_one_too(agent, tiny_gguf):
     """A plan from before backend secrets has no key-file slot in its argv: the agent adds the flag
     (only llama-server takes its secret through argv, as a file; the others read their environment)."""
-    from serving.planning import KEY_FILE_SLOT
+    from serving.control.planning import KEY_FILE_SLOT
 
     def as_stored_by_0_2(argv: list[str]) -> list[str]:
         at = argv.index(KEY_FILE_SLOT)

@@ -17,16 +17,6 @@ LLAMA_SERVER_CUDA = {"name": "llama-server", "available": True, "version": "b650
                      "path": "/opt/llama-server", "reason": ""}
 
 
-@pytest.fixture
-def node(serving_settings):
-    from hardware.services import register_node
-
-    n = register_node(name=NODE, address="127.0.0.1")
-    n.backends = [LLAMA_CPP_PYTHON]
-    n.save()
-    return n
-
-
 def post(client: Client, path: str, body: dict, key: str):
     return client.post(f"/api/management/{path}", body, content_type="application/json", **bearer(key))
 
@@ -119,9 +109,9 @@ def test_on_a_gpu_the_on_demand_model_holding_it_is_evicted_and_a_pinned_one_is_
 
 # ---------------------------------------------------------------- the figure a start is checked with (32 #2)
 def _measured(pk: int, mib: int) -> None:
-    """What the agent records once the instance is READY (serving.planning.record_measurement)."""
+    """What the agent records once the instance is READY (serving.control.planning.record_measurement)."""
+    from serving.control.planning import record_measurement, stored_plan
     from serving.models import ModelInstance
-    from serving.planning import record_measurement, stored_plan
 
     inst = ModelInstance.objects.get(pk=pk)
     record_measurement(pk, plan=stored_plan(inst), extra_args=inst.extra_args, measured_mib=mib, source="rss",
@@ -174,7 +164,7 @@ def test_a_refused_start_names_the_figure_in_the_answer_and_the_timeline(client,
 
 
 def test_its_own_measurement_goes_before_the_shape_and_the_estimate_comes_last(client, node, operator, tiny_gguf):
-    from serving.capacity import start_memory
+    from serving.control.capacity import start_memory
     from serving.models import MemoryMeasurement, ModelInstance
 
     a, b = _two_of_one_shape(client, node, operator, tiny_gguf)
@@ -192,8 +182,8 @@ def test_its_own_measurement_goes_before_the_shape_and_the_estimate_comes_last(c
 
 
 def test_a_restart_and_an_autostart_check_the_fit_with_the_shape_figure(client, node, operator, tiny_gguf):
+    from serving.control.services import start_again
     from serving.models import ModelInstance
-    from serving.services import start_again
 
     a, b = _two_of_one_shape(client, node, operator, tiny_gguf)
     # B stopped (an unload of an IDLE instance) and restarted: the restart is a start, checked at 81 MiB.

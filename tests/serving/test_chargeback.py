@@ -7,8 +7,8 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from serving.chargeback import chargeback, ready_by_hour, ready_intervals, split_hour
-from serving.usage import BusyClock
+from serving.proxy.chargeback import chargeback, ready_by_hour, ready_intervals, split_hour
+from serving.proxy.usage import BusyClock
 
 
 def test_an_hour_splits_by_busy_seconds_and_the_rest_idles():

@@ -16,8 +16,8 @@ from hardware.services import save_inventory
 from history.samples import ModelCounter
 from serving.models import InstanceState, ModelInstance
 from serving.node.agent import NodeAgent
+from serving.proxy.usage import RequestContext, UsageRecorder
 from serving.routing import websocket_urlpatterns
-from serving.usage import RequestContext, UsageRecorder
 from tests.hardware.conftest import gpu_inventory
 
 pytestmark = pytest.mark.django_db
@@ -130,7 +130,7 @@ async def test_the_newest_point_arrives_over_the_websocket(viewer):
         html = await comm.receive_from(timeout=10)
     assert "stopped by the test" in html and 'hx-swap-oob="true"' in html
 
-    from serving.usage import recorder
+    from serving.proxy.usage import recorder
 
     recorder.record(RequestContext(request_id="x"), model="tiny", instance_id=inst.pk, node="cpu-node", status=200,
                     error=None, prompt_tokens=1, completion_tokens=2, busy_s=0.0, ttft_s=0.01, failed=False)

@@ -7,19 +7,8 @@ from django.db import IntegrityError, transaction
 
 from serving.models import DesiredState, InstanceState, ModelInstance
 from tests.conftest import bearer
-from tests.serving.conftest import LLAMA_CPP_PYTHON, NODE
 
 pytestmark = pytest.mark.django_db
-
-
-@pytest.fixture
-def node(serving_settings):
-    from hardware.services import register_node
-
-    n = register_node(name=NODE, address="127.0.0.1")
-    n.backends = [LLAMA_CPP_PYTHON]
-    n.save()
-    return n
 
 
 def _row(node, name, **fields):
@@ -47,7 +36,7 @@ def test_names_that_are_not_held_do_not_count(node):
 
 
 def test_a_load_that_loses_the_race_is_409_duplicate_model_name(client, node, operator, tiny_gguf, monkeypatch):
-    from serving import services
+    from serving.control import services
 
     body = {"model_path": str(tiny_gguf), "model_name": "racer"}
     r = client.post("/api/management/load", body, content_type="application/json", **bearer(operator.key))

@@ -18,8 +18,8 @@ import pytest
 from django.conf import settings
 
 from serving.adapters import get_adapter
-from serving.proxy.app import ENGINE_ROUTES, FORWARDED_V1_ROUTES, resolve_route
 from serving.proxy.errors import ProxyError
+from serving.proxy.routing import ENGINE_ROUTES, FORWARDED_V1_ROUTES, resolve_route
 
 ALIAS = "an alias of a route the console forwards under its /v1/ name (or as /api/inference/<route>)"
 CONSOLE = "the console answers it itself"

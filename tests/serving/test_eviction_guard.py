@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from serving.capacity import NoRoom
-from tests.serving.test_capacity import node, post, ready, row  # noqa: F401 (node is a fixture)
+from serving.control.capacity import NoRoom
+from tests.serving.test_capacity import post, ready, row
 
 pytestmark = pytest.mark.django_db
 
@@ -27,8 +27,8 @@ def _two_on_a_node_with_room_for_one(client, node, operator, tiny_gguf, *, used_
 
 def test_a_cold_start_does_not_evict_a_model_used_within_the_grace(client, node, operator, tiny_gguf,  # noqa: F811
                                                                    settings):
+    from serving.control.services import request_cold_start
     from serving.models import ModelInstance
-    from serving.services import request_cold_start
 
     settings.EVICT_GRACE_S = 60
     busy, idle = _two_on_a_node_with_room_for_one(client, node, operator, tiny_gguf, used_ago_s=5)
@@ -43,7 +43,7 @@ def test_a_cold_start_does_not_evict_a_model_used_within_the_grace(client, node,
 
 def test_a_cold_start_evicts_a_model_idle_for_longer_than_the_grace(client, node, operator, tiny_gguf,  # noqa: F811
                                                                     settings):
-    from serving.services import request_cold_start
+    from serving.control.services import request_cold_start
 
     settings.EVICT_GRACE_S = 60
     busy, idle = _two_on_a_node_with_room_for_one(client, node, operator, tiny_gguf, used_ago_s=120)

@@ -38,7 +38,7 @@ def _timeline(pk: int) -> list[tuple[str, str]]:
 
 
 def _load(path, name, **kw):
-    from serving.services import request_load
+    from serving.control.services import request_load
 
     return request_load(model_path=str(path), model_name=name, **kw)
 
@@ -86,7 +86,7 @@ async def test_a_fallback_is_tried_once(agent, tiny_gguf, tmp_path):
     path.write_text(BROKEN)
     path.chmod(0o755)
     await sync_to_async(set_backends)(NODE, [LLAMA_CPP_PYTHON, probe_llama_server(str(path))])
-    from serving.planning import plan_load
+    from serving.control.planning import plan_load
 
     def create():
         plan = plan_load(model_path=str(tiny_gguf), model_name="twice", backend="llama-server")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from prometheus_client import REGISTRY
 
-from serving import fleet_metrics
+from serving.proxy import fleet_metrics
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "xgen-console.json"
 PANEL_TYPES = {"stat", "timeseries", "table", "gauge", "bargauge"}

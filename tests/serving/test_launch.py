@@ -22,7 +22,7 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 
 def _load(path, name, **kw):
-    from serving.services import request_load
+    from serving.control.services import request_load
 
     return request_load(model_path=str(path), model_name=name, **kw)
 
@@ -44,7 +44,7 @@ def _pid_alive(pid: int) -> bool:
 
 
 async def test_the_agent_launches_the_stored_plan(agent, tiny_gguf):
-    from serving.planning import plan_load
+    from serving.control.planning import plan_load
 
     def create():
         plan = plan_load(model_path=str(tiny_gguf), model_name="from-plan")
@@ -81,7 +81,7 @@ async def test_an_instance_from_before_plans_is_planned_once_on_the_node(agent, 
     inst = await wait_state(inst.pk, {InstanceState.READY, InstanceState.ERROR})
     assert inst.state == InstanceState.READY, inst.last_error
     assert inst.plan and inst.plan["backend"] == "llama-cpp-python" and inst.plan["version"] == "0.3.16"
-    from serving.planning import LaunchPlan
+    from serving.control.planning import LaunchPlan
 
     plan = LaunchPlan.from_json(inst.plan)
     assert _first_log_line(inst.pk) == "$ " + shlex.join(plan.command(port=inst.port, model=tiny_gguf,
@@ -142,7 +142,7 @@ async def test_an_unload_while_caching_stops_the_copy_and_stays_stopped(agent, s
         return stream_to(self, key, fh, on_chunk=throttled)
 
     monkeypatch.setattr(FilesystemModelStore, "stream_to", slow_stream_to)
-    from serving.services import request_unload
+    from serving.control.services import request_unload
 
     inst = await sync_to_async(_load)("gguf/slow-model", "slow")
     deadline = time.monotonic() + 30

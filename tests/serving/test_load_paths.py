@@ -11,21 +11,11 @@ from pathlib import Path
 import pytest
 from asgiref.sync import sync_to_async
 
-from serving.planning import LoadRefused
+from serving.control.planning import LoadRefused
 from tests.conftest import bearer
-from tests.serving.conftest import LLAMA_CPP_PYTHON, NODE, wait_state
+from tests.serving.conftest import NODE, wait_state
 
 SECRET = b"XGEN-SECRET-do-not-leak-0123456789"
-
-
-@pytest.fixture
-def node(serving_settings, db):
-    from hardware.services import register_node
-
-    n = register_node(name=NODE, address="127.0.0.1")
-    n.backends = [LLAMA_CPP_PYTHON]
-    n.save()
-    return n
 
 
 @pytest.fixture
@@ -102,7 +92,7 @@ def test_a_fifo_a_device_and_a_file_that_is_not_gguf_are_refused(client, node, o
 
 @pytest.mark.django_db
 def test_a_huge_folder_is_refused_without_walking_it(client, node, operator, imports, tiny_gguf):
-    from hub.services import LOAD_SCAN_MAX_ENTRIES
+    from hub.imports import LOAD_SCAN_MAX_ENTRIES
 
     big = imports / "big"
     big.mkdir()
@@ -139,7 +129,7 @@ def test_the_load_page_and_its_verdict_say_why(client, node, operator, imports, 
 
 @pytest.mark.django_db
 def test_planning_refuses_with_load_refused(node, imports, secret_in_data_dir):
-    from serving.planning import plan_load
+    from serving.control.planning import plan_load
 
     (imports / "key.gguf").symlink_to(secret_in_data_dir)
     with pytest.raises(LoadRefused) as refused:
@@ -150,7 +140,7 @@ def test_planning_refuses_with_load_refused(node, imports, secret_in_data_dir):
 async def test_the_agent_checks_again_before_it_spawns(agent, serving_settings, imports, secret_in_data_dir):
     """A web process on another host checks only the path's text; the node's agent refuses the file
     (and the secret never reaches the instance's error or log)."""
-    from serving.services import request_load
+    from serving.control.services import request_load
 
     (imports / "key.gguf").symlink_to(secret_in_data_dir)
     serving_settings.NODE_NAME = "web-elsewhere"

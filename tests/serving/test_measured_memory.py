@@ -14,7 +14,7 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 
 def _load(path, name, **kw):
-    from serving.services import request_load
+    from serving.control.services import request_load
 
     return request_load(model_path=str(path), model_name=name, **kw)
 
@@ -22,8 +22,8 @@ def _load(path, name, **kw):
 async def test_a_ready_backend_is_measured_and_the_next_plan_uses_it(agent, tiny_gguf, operator):
     from django.test import Client
 
-    from serving.planning import plan_load
-    from serving.services import request_unload
+    from serving.control.planning import plan_load
+    from serving.control.services import request_unload
 
     first = await sync_to_async(plan_load)(model_path=str(tiny_gguf), model_name="m1", extra_args={"--n_ctx": 256})
     assert not first.estimate.measured

@@ -3,20 +3,14 @@ numbered replicas (so the unique index can be built), and their rows have no pla
 from __future__ import annotations
 
 import pytest
-from django.db import connection
-from django.db.migrations.executor import MigrationExecutor
 from django.utils import timezone
+
+from tests.migrations import latest as _latest
+from tests.migrations import migrate_to as _migrate
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 BEFORE = [("serving", "0003_restart_requested")]
-
-
-def _migrate(targets):
-    executor = MigrationExecutor(connection)
-    executor.loader.build_graph()
-    executor.migrate(targets)
-    return executor.loader.project_state(targets).apps
 
 
 def test_duplicates_from_0_1_0_become_replicas():
@@ -37,7 +31,3 @@ def test_duplicates_from_0_1_0_become_replicas():
     assert replicas == [0, 1, 2, 0, 0]
     assert all(Instance.objects.get(pk=pk).plan is None for pk in ids)
 
-
-def _latest():
-    executor = MigrationExecutor(connection)
-    return executor.loader.graph.leaf_nodes()

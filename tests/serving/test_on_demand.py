@@ -129,7 +129,7 @@ def _squeeze(od: KeyedConsole, pk: int) -> tuple[int, int]:
     """Cap the node (what XGEN_NODE_MEMORY_MIB records) at what its instances hold now plus what
     instance `pk` needs (the figure its start is checked with), less 1 MiB: it fits only if
     something goes. (cap, need)"""
-    code = ("from hardware.models import Node; from serving.capacity import holders, start_memory; "
+    code = ("from hardware.models import Node; from serving.control.capacity import holders, start_memory; "
             "from serving.models import ModelInstance; node = Node.objects.get(name='test-node'); "
             f"need = start_memory(ModelInstance.objects.get(pk={pk})).mib; "
             "cap = sum(i.memory_mib for i in holders(node)) + need - 1; "

@@ -9,16 +9,6 @@ from django.test import Client
 from tests.serving.conftest import LLAMA_CPP_PYTHON, NODE
 
 
-@pytest.fixture
-def node(serving_settings, db):
-    from hardware.services import register_node
-
-    n = register_node(name=NODE, address="127.0.0.1")
-    n.backends = [LLAMA_CPP_PYTHON]
-    n.save()
-    return n
-
-
 def logged_in(account) -> Client:
     c = Client()
     c.force_login(account.user)
@@ -90,7 +80,7 @@ def test_load_form_shows_errors_and_creates_on_success(node, operator, tiny_gguf
 
 @pytest.mark.django_db
 def test_viewer_sees_no_actions_and_the_server_refuses_them(node, operator, viewer, tiny_gguf):
-    from serving.services import request_load
+    from serving.control.services import request_load
 
     inst = request_load(model_path=str(tiny_gguf), model_name="t")
     v = logged_in(viewer)
@@ -106,8 +96,8 @@ def test_viewer_sees_no_actions_and_the_server_refuses_them(node, operator, view
 
 @pytest.mark.django_db
 def test_log_download_keeps_the_previous_run(node, viewer, tiny_gguf, serving_settings):
+    from serving.control.services import request_load
     from serving.node.logs import current_log, previous_log
-    from serving.services import request_load
 
     inst = request_load(model_path=str(tiny_gguf), model_name="t")
     c = logged_in(viewer)
@@ -126,7 +116,7 @@ def test_log_download_keeps_the_previous_run(node, viewer, tiny_gguf, serving_se
 
 @pytest.mark.django_db
 def test_playground_refuses_when_not_ready(node, viewer, tiny_gguf):
-    from serving.services import request_load
+    from serving.control.services import request_load
 
     inst = request_load(model_path=str(tiny_gguf), model_name="t")
     r = logged_in(viewer).post(f"/instances/{inst.pk}/playground", {"prompt": "hi"})
@@ -135,9 +125,9 @@ def test_playground_refuses_when_not_ready(node, viewer, tiny_gguf):
 
 @pytest.mark.django_db(transaction=True)
 async def test_websockets_carry_state_rows_and_log_lines(node, viewer, tiny_gguf):
-    from serving import events
-    from serving.consumers import InstanceConsumer, InstancesConsumer
-    from serving.services import request_load
+    from serving.control import events
+    from serving.control.services import request_load
+    from serving.web.consumers import InstanceConsumer, InstancesConsumer
 
     inst = await sync_to_async(request_load)(model_path=str(tiny_gguf), model_name="ws")
     listing = WebsocketCommunicator(InstancesConsumer.as_asgi(), "/ws/instances/")
@@ -185,8 +175,8 @@ def test_verdict_on_a_gpu_node_lists_gpus_and_keeps_the_choice(node, operator, t
 
 @pytest.mark.django_db
 def test_instance_page_shows_proxy_usage(node, viewer, operator, tiny_gguf, monkeypatch):
+    from serving.control.services import request_load
     from serving.proxy import metrics
-    from serving.services import request_load
 
     monkeypatch.setattr(metrics, "_usage", {})  # usage is per process; ids repeat across test databases
 
@@ -227,7 +217,7 @@ def _many_instances(node, count: int) -> list:
 
 @pytest.mark.django_db
 def test_the_instances_list_comes_in_pages_of_fifty_newest_first(node, viewer):
-    from serving.events import INSTANCES_PAGE
+    from serving.web.live import INSTANCES_PAGE
 
     newest_first = _many_instances(node, 2 * INSTANCES_PAGE + 20)
     c = logged_in(viewer)
@@ -252,7 +242,7 @@ def test_the_instances_list_comes_in_pages_of_fifty_newest_first(node, viewer):
 
 @pytest.mark.django_db(transaction=True)
 async def test_a_later_page_gets_its_rows_states_and_the_count_but_not_page_one(node, viewer):
-    from serving.consumers import InstancesConsumer
+    from serving.web.consumers import InstancesConsumer
 
     newest_first = await sync_to_async(_many_instances)(node, 60)
     oldest = newest_first[-1]

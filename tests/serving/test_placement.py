@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from serving.placement import (
+from serving.control.placement import (
     GpuRoom,
     PlacementError,
     assign_gpus,

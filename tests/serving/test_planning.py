@@ -1,4 +1,4 @@
-"""The load decision is made once (serving.planning): the Load page's verdict, the stored plan and
+"""The load decision is made once (serving.control.planning): the Load page's verdict, the stored plan and
 the API's `command` are the same."""
 from __future__ import annotations
 
@@ -6,24 +6,14 @@ import sys
 
 import pytest
 
-from serving.planning import MODEL_SLOT, PORT_SLOT, PYTHON_SLOT, LaunchPlan
+from serving.control.planning import MODEL_SLOT, PORT_SLOT, PYTHON_SLOT, LaunchPlan
 from tests.conftest import bearer
-from tests.serving.conftest import LLAMA_CPP_PYTHON, NODE
+from tests.serving.conftest import NODE
 
 pytestmark = pytest.mark.django_db
 
 LLAMA_SERVER_CUDA = {"name": "llama-server", "available": True, "version": "b6500", "flavour": "cuda",
                      "path": "/opt/llama-server", "reason": ""}
-
-
-@pytest.fixture
-def node(serving_settings):
-    from hardware.services import register_node
-
-    n = register_node(name=NODE, address="127.0.0.1")
-    n.backends = [LLAMA_CPP_PYTHON]
-    n.save()
-    return n
 
 
 def _load(client, key, body):
@@ -74,7 +64,7 @@ def test_another_nodes_interpreter_stays_a_placeholder(client, node, operator, s
 
 
 def test_a_plan_round_trips_through_json(node, tiny_gguf):
-    from serving.planning import plan_load
+    from serving.control.planning import plan_load
 
     plan = plan_load(model_path=str(tiny_gguf), model_name="rt", server_type="embedding").launch
     assert LaunchPlan.from_json(plan.to_json()) == plan
@@ -85,7 +75,7 @@ def test_a_plan_round_trips_through_json(node, tiny_gguf):
 
 def test_a_gpu_plan_holds_the_gpus_and_their_visibility(node, tiny_gguf):
     from hardware.models import GpuDevice
-    from serving.planning import plan_load
+    from serving.control.planning import plan_load
 
     node.backends = [LLAMA_SERVER_CUDA]
     node.save()
@@ -99,7 +89,7 @@ def test_a_gpu_plan_holds_the_gpus_and_their_visibility(node, tiny_gguf):
 
 def test_a_cpu_backend_on_a_gpu_node_is_told_to_see_no_gpu(node, tiny_gguf):
     from hardware.models import GpuDevice
-    from serving.planning import plan_load
+    from serving.control.planning import plan_load
 
     GpuDevice.objects.create(node=node, index=0, vendor="NVIDIA", type="NVIDIA", name="L4",
                              memory_total_mib=24000, memory_used_mib=1000)

@@ -8,7 +8,7 @@ from django.utils import timezone
 
 from serving.models import RequestLog
 from serving.node.agent import default_workers
-from serving.usage import RequestLogPruner, prune_request_log
+from serving.node.workers import RequestLogPruner, prune_request_log
 
 
 @pytest.mark.django_db

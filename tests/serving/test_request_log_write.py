@@ -11,7 +11,7 @@ from django.db import connections
 
 from accounts.credentials import Principal
 from serving.models import RequestLog
-from serving.usage import ROW_FIELDS, RequestContext, UsageRecorder, _insert_request_rows
+from serving.proxy.usage import ROW_FIELDS, RequestContext, UsageRecorder, _insert_request_rows
 from tests.cluster.harness import PG_ADMIN_DSN, _pg_admin
 from xgenconsole.env import database_from_url
 
@@ -51,7 +51,8 @@ def test_counted_requests_read_back_whole():
     ada = Principal(user_id=1, username="ada", role="viewer", key_id=7, key_name="team 'a' key")
     ctx = RequestContext(request_id="req-1", client="10.0.0.1", principal=ada, stream=True)
     recorder.record(ctx, model="smol-ü \"chat\"", instance_id=3, node="node-a", status=200, error=None,
-                    prompt_tokens=5, completion_tokens=100, busy_s=0.25, ttft_s=0.01234, failed=False)
+                    prompt_tokens=5, completion_tokens=100, busy_s=0.25, ttft_s=0.01234, failed=False,
+                    ended=ctx.t0 + 0.0567)
     refused = RequestContext(request_id="req-2", principal=ada, model="other")
     recorder.record_refused(refused, status=429, code="rate_limited")
     # two hour buckets (the answered request's and the refusal's: a refusal counts as an error of the
@@ -63,7 +64,7 @@ def test_counted_requests_read_back_whole():
     assert (first["username"], first["key_id"], first["key_name"], first["model"], first["node"]) == (
         "ada", 7, "team 'a' key", "smol-ü \"chat\"", "node-a")
     assert (first["status"], first["prompt_tokens"], first["completion_tokens"], first["stream"]) == (200, 5, 100, True)
-    assert first["ttft_ms"] == 12.34 and first["duration_ms"] > 0 and first["client"] == "10.0.0.1"
+    assert first["ttft_ms"] == 12.34 and first["duration_ms"] == 56.7 and first["client"] == "10.0.0.1"
     assert first["at"] == datetime.fromtimestamp(ctx.at, tz=UTC)
     assert (second["status"], second["error"], second["model"], second["instance_id"], second["ttft_ms"],
             second["stream"]) == (429, "rate_limited", "other", None, None, False)

@@ -12,8 +12,8 @@ import pytest
 from asgiref.sync import sync_to_async
 
 from serving.adapters import LaunchSpec, get_adapter
+from serving.control.selection import BackendUnavailable, choose_backend
 from serving.models import InstanceState, ModelInstance
-from serving.selection import BackendUnavailable, choose_backend
 from tests.conftest import bearer
 from tests.serving.conftest import LLAMA_CPP_PYTHON, NODE, llama_server_row, wait_state
 
@@ -103,6 +103,7 @@ def test_a_huggingface_reranker_goes_to_vllm():
 # ---------------------------------------------------------------- the load request
 @pytest.fixture
 def node(serving_settings, db):
+    """conftest's node with llama-server beside llama-cpp-python: reranking needs llama-server."""
     from hardware.services import register_node
 
     n = register_node(name=NODE, address="127.0.0.1")
@@ -146,7 +147,7 @@ def test_the_load_dialog_offers_a_reranker(client, node, operator, tiny_reranker
 
 # ---------------------------------------------------------------- a real load, end to end
 async def test_a_reranker_loads_on_real_llama_server_and_ranks(agent, tiny_reranker, viewer):
-    from serving.services import request_load
+    from serving.control.services import request_load
 
     if not llama_server_row()["available"]:
         pytest.fail(f"{llama_server_row()['reason']}; build it with deploy/build_llama_cpp.sh")

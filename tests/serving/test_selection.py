@@ -5,7 +5,7 @@ import itertools
 
 import pytest
 
-from serving.selection import BackendUnavailable, choose_backend
+from serving.control.selection import BackendUnavailable, choose_backend
 
 GPU_TYPES = ["NVIDIA", "AMD_CDNA", "AMD_RDNA", "CPU"]
 ALL_BACKENDS = [("vllm", "cuda"), ("vllm", "rocm"), ("llama-server", "cuda"), ("llama-server", "rocm"),

@@ -18,19 +18,8 @@ from serving.models import (
     ModelInstance,
 )
 from tests.conftest import REPO
-from tests.serving.conftest import LLAMA_CPP_PYTHON, NODE
 
 S = InstanceState
-
-
-@pytest.fixture
-def node(serving_settings, db):
-    from hardware.services import register_node
-
-    n = register_node(name=NODE, address="127.0.0.1")
-    n.backends = [LLAMA_CPP_PYTHON]
-    n.save()
-    return n
 
 
 def _instance(node, name="st", **fields) -> ModelInstance:
@@ -159,7 +148,7 @@ def test_only_the_model_writes_state():
 
 @pytest.mark.django_db(transaction=True)
 async def test_a_progress_tick_updates_the_state_block_not_the_list_card(node, viewer):
-    from serving.consumers import InstanceConsumer, InstancesConsumer
+    from serving.web.consumers import InstanceConsumer, InstancesConsumer
 
     inst = await sync_to_async(_instance)(node, "tick")
     await sync_to_async(inst.mark_caching)(10.0)

@@ -11,8 +11,8 @@ import httpx
 import pytest
 from asgiref.sync import sync_to_async
 
+from serving.control.placement import port_bindable
 from serving.models import InstanceState, ModelInstance
-from serving.placement import port_bindable
 from tests.procs import children_of
 from tests.serving.conftest import backend_pids, wait_state
 
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 
 def _load(path, name, server_type="llm", backend=None, fallback=None):
-    from serving.services import request_load
+    from serving.control.services import request_load
 
     return request_load(model_path=str(path), model_name=name, server_type=server_type, backend=backend,
                         fallback=fallback)
@@ -52,7 +52,7 @@ async def test_load_chat_unload_leaves_nothing(agent, tiny_gguf, engine):
     assert inst.log_tail, "the log tail is saved"
     pid, port = inst.pid, inst.port
 
-    from serving.services import request_unload
+    from serving.control.services import request_unload
     await sync_to_async(request_unload)(instance=inst)
     inst = await wait_state(inst.pk, {InstanceState.STOPPED}, timeout=30)
     assert inst.pid is None and inst.port is None and inst.gpus == []
@@ -121,7 +121,7 @@ async def test_store_prefix_is_cached_then_served(agent, tiny_gguf, settings, tm
     from hub.store import get_store
 
     await sync_to_async(get_store().upload_model)("gguf/tiny-store", tiny_gguf)
-    from serving.services import request_load
+    from serving.control.services import request_load
 
     inst = await sync_to_async(request_load)(model_path="gguf/tiny-store", model_name="tiny-store")
     inst = await wait_state(inst.pk, {InstanceState.READY, InstanceState.ERROR})
@@ -134,7 +134,7 @@ async def test_store_prefix_is_cached_then_served(agent, tiny_gguf, settings, tm
 
 
 async def test_restart_of_a_ready_instance_gives_a_new_process(agent, tiny_gguf):
-    from serving.services import request_restart
+    from serving.control.services import request_restart
 
     inst = await sync_to_async(_load)(tiny_gguf, "tiny-restart")
     inst = await wait_state(inst.pk, {InstanceState.READY, InstanceState.ERROR})
@@ -158,7 +158,7 @@ async def test_restart_of_a_ready_instance_gives_a_new_process(agent, tiny_gguf)
 
 
 async def test_unload_while_loading_leaves_nothing(agent, tiny_gguf):
-    from serving.services import request_unload
+    from serving.control.services import request_unload
 
     inst = await sync_to_async(_load)(tiny_gguf, "tiny-early")
     inst = await wait_state(inst.pk, {InstanceState.LOADING, InstanceState.WARMING, InstanceState.READY})

@@ -1,7 +1,7 @@
 """The docs' environment variables against the code's (issue 35, the docs).
 
 Documented: every XGEN_*, MINIO_*, DATABASE_URL and REDIS_URL name in README.md, deploy/README.md
-and the deploy examples (systemd units, the env file, the Kubernetes manifests). Read: the names the
+and the deploy examples (systemd units, the env file, the Dockerfiles, the Kubernetes manifests). Read: the names the
 code reads, found in its source: the literal first argument of xgenconsole.env's readers, of
 os.environ.get / os.getenv / os.environ[...], NAME_FILE for each secret (env_secret), and the
 `$NAME` / `${NAME...}` expansions in deploy/*.sh. Each documented name must be read, each name the
@@ -26,12 +26,16 @@ SHELL_READ_RE = re.compile(rf"\$\{{?({NAME})(?![A-Za-z0-9_])")
 ENV_READERS = {"env_str", "env_int", "env_bool", "env_list", "env_dirs", "env_secret"}
 
 DOC_FILES = ["README.md", "deploy/README.md", "deploy/systemd/xgen-web.service", "deploy/systemd/xgen-agent.service",
-             "deploy/systemd/xgen.env.example", "deploy/kubernetes/xgen.yaml",
-             "deploy/kubernetes/secrets.example.yaml"]
+             "deploy/systemd/xgen.env.example",
+             *sorted(str(p.relative_to(REPO)) for p in (REPO / "deploy").glob("Dockerfile*")),
+             *sorted(str(p.relative_to(REPO)) for p in (REPO / "deploy" / "kubernetes").rglob("*.yaml"))]
+# The settings the manifests and images set are also held against the configuration table itself:
+# tests/deploy/test_settings_and_probes.py.
 # Read by the product but not for its users: each with the reason it stays out of the docs.
 UNDOCUMENTED_OK: dict[str, str] = {}
 # Read with env_secret (NAME or the file NAME_FILE names): their rows must say *file*.
-SECRETS = {"DATABASE_URL", "REDIS_URL", "XGEN_SECRET_KEY", "MINIO_ACCESS_KEY", "MINIO_SECRET_KEY"}
+SECRETS = {"DATABASE_URL", "REDIS_URL", "XGEN_SECRET_KEY", "MINIO_ACCESS_KEY", "MINIO_SECRET_KEY",
+           "XGEN_OIDC_CLIENT_SECRET", "XGEN_LDAP_BIND_PASSWORD"}
 SKIP_DIRS = {".venv", ".git", "node_modules", "tests", "bench", "data", "__pycache__"}
 
 

@@ -14,7 +14,11 @@ pytestmark = pytest.mark.django_db
 # (method, path, a body the route takes, the unknown fields added to it)
 BODIES = [
     ("post", "/api/management/load", {"model_path": "/nowhere.gguf"}, ["max_concurency"]),
-    ("post", "/api/management/load", {"model_path": "/nowhere.gguf"}, ["replicas", "gpu"]),
+    ("post", "/api/management/load", {"model_path": "/nowhere.gguf"}, ["replica_count", "gpu"]),  # replicas: issue 30
+    ("post", "/api/management/scale", {"model_name": "x", "replicas": 2}, ["force"]),
+    ("post", "/api/management/autoscale", {"model_name": "x", "max_replicas": 2, "target_in_flight": 1},
+     ["target"]),
+    ("post", "/api/management/rollout", {"model_name": "x"}, ["args"]),
     ("post", "/api/management/unload", {"id": 1}, ["force"]),
     ("post", "/api/management/restart", {"id": 1}, ["hard"]),
     ("post", "/api/management/start", {"id": 1}, ["now"]),

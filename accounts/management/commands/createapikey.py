@@ -1,7 +1,7 @@
 from django.core.management.base import BaseCommand, CommandError
 
 from accounts.audit import record_audit
-from accounts.models import User
+from accounts.models import Team, User
 from accounts.services import KeyInputError, create_api_key, expiry_in, priority_value
 
 
@@ -25,6 +25,7 @@ class Command(BaseCommand):
         parser.add_argument("--monthly-tokens", type=int, help="tokens per UTC month")
         parser.add_argument("--scopes", type=_models, default=None,
                             help="comma-separated, of inference, read, manage (default: all three)")
+        parser.add_argument("--team", help="the slug of the team that owns the key (its limits apply too)")
         parser.add_argument("--priority", type=priority_value,
                             help="high, normal (default) or low, or 0-9; higher goes first when requests queue")
 
@@ -34,11 +35,16 @@ class Command(BaseCommand):
             raise CommandError(f"no user {username!r}")
         limits = {f: options[f] for f in ("allowed_models", "rpm", "tpm", "daily_tokens", "monthly_tokens",
                                           "priority", "scopes") if options.get(f) is not None}
+        team = None
+        if options.get("team"):
+            team = Team.objects.filter(slug=options["team"]).first()
+            if team is None:
+                raise CommandError(f"no team {options['team']!r}")
         try:
             key, raw = create_api_key(user=user, name=name, expires_at=expiry_in(options.get("expires_in_days")),
-                                      **limits)
+                                      team=team, **limits)
         except KeyInputError as exc:
             raise CommandError(str(exc)) from None
         record_audit(action="key_create", actor="cli", target=f"key {key.pk} ({key.name})",
-                     detail={"user": user.username, "via": "cli", **limits})
+                     detail={"user": user.username, "via": "cli", "team": team.slug if team else None, **limits})
         self.stdout.write(raw)

@@ -2,12 +2,12 @@
 
 Whoever runs this command already has a shell on the host as the console's user, so it is not
 limited to XGEN_IMPORT_DIRS (which bounds what the API and the Upload page may read). Every other
-rule of `hub.services.check_import_path` still holds: it refuses the console's own data, store,
+rule of `hub.imports.check_import_path` still holds: it refuses the console's own data, store,
 models and log dirs and its database (a copy would publish the secret key and the sessions, and
 opening the live database drops the server's SQLite locks), and FIFOs, sockets and devices.
 
 It runs the upload itself, in the foreground (no job, no agent), through the same service as an
-upload job (`hub.services.upload_local_model`), holding the model's write lock meanwhile: it
+upload job (`hub.writes.upload_local_model`), holding the model's write lock meanwhile: it
 stops when an upload or download writes the same name, and refuses to overwrite a complete model
 without --replace.
 """
@@ -19,7 +19,9 @@ from pathlib import Path
 
 from django.core.management.base import BaseCommand, CommandError
 
-from hub import services
+from hub import writes
+from hub.imports import HubInputError
+from hub.locks import PrefixBusy, prefix_locked, process_holder
 from hub.paths import FORMAT_ROOTS, InvalidPrefix, prefix_for
 from hub.store import ModelExists, StoreError, get_store
 
@@ -50,15 +52,15 @@ class Command(BaseCommand):
 
         try:
             prefix = prefix_for(opts["format"], opts["name"])
-            with services.prefix_locked(prefix, holder=services.process_holder("cli")):
-                artifact = services.upload_local_model(
+            with prefix_locked(prefix, holder=process_holder("cli")):
+                artifact = writes.upload_local_model(
                     local_path=str(Path(opts["path"]).resolve()), format=opts["format"], name=opts["name"],
                     store=store, progress=progress, limit_to_import_dirs=False, replace=opts["replace"])
-        except (InvalidPrefix, services.HubInputError) as exc:
+        except (InvalidPrefix, HubInputError) as exc:
             raise CommandError(str(exc)) from None
         except ModelExists as exc:
             raise CommandError(f"{exc} (--replace overwrites it)") from None
-        except services.PrefixBusy as exc:
+        except PrefixBusy as exc:
             raise CommandError(str(exc)) from None
         except StoreError as exc:
             raise CommandError(f"the store failed: {exc}") from None

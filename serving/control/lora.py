@@ -1,0 +1,126 @@
+"""LoRA adapters loaded with a model (issue 27): the load's `adapters` checked, and a GGUF
+adapter's metadata read against its base.
+
+An adapter is `{name, path, scale}`: `name` is served as `<model_name>:<name>`; `path` an
+absolute path under the allowed model dirs (the rules of a load's model_path: no '..', a bounded
+walk, XGEN_IMPORT_DIRS); `scale` the strength a request for the adapter gets unless it gives its
+own `lora_scale`. A GGUF adapter must say `general.type = adapter`, `adapter.type = lora`, and
+the base model's `general.architecture` (llama.cpp refuses any other at start, with a log line
+only; here it is a 400 at load)."""
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path, PurePosixPath
+
+from hub.imports import HubInputError, LoadSource, check_load_path
+
+
+class LoadRefused(ValueError):
+    """An adapter the load refuses: 400 with `code` (serving.control.planning answers it as its
+    own LoadRefused; this module does not import planning, which imports it)."""
+
+    def __init__(self, status: int, message: str, code: str = "invalid_request") -> None:
+        super().__init__(message)
+        self.status, self.message, self.code = status, message, code
+
+
+def check_load_path_or_refuse(raw: str) -> LoadSource:
+    try:
+        return check_load_path(raw)
+    except HubInputError as exc:
+        raise LoadRefused(400, str(exc), code="invalid_path") from None
+
+ADAPTER_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
+MAX_ADAPTERS = 16
+MAX_SCALE = 16.0
+
+
+def gguf_metadata(path: Path | str, keys: tuple[str, ...]) -> dict[str, str]:
+    """The string values of `keys` in a GGUF file's header (missing keys left out); ValueError
+    when the file is not a GGUF."""
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(path), "r")
+    except Exception as exc:  # noqa: BLE001 - the gguf package raises bare ValueError / struct errors
+        raise ValueError(f"not a readable GGUF file: {exc}") from None
+    found: dict[str, str] = {}
+    for key in keys:
+        field = reader.get_field(key)
+        if field is not None:
+            try:
+                found[key] = str(field.contents())
+            except Exception:  # noqa: BLE001 - a field of another type: not a string
+                continue
+    return found
+
+
+def check_gguf_adapter(path: Path | str, *, base: Path | str | None) -> None:
+    """LoadRefused 400 `invalid_adapter` unless `path` is a LoRA adapter GGUF of the base's
+    architecture (`base`: the base's GGUF where this node can read it)."""
+    try:
+        meta = gguf_metadata(path, ("general.type", "adapter.type", "general.architecture"))
+    except ValueError as exc:
+        raise LoadRefused(400, f"adapter {str(path)[:200]!r}: {exc}", code="invalid_adapter") from None
+    if meta.get("general.type") != "adapter" or meta.get("adapter.type") != "lora":
+        raise LoadRefused(400, f"adapter {str(path)[:200]!r} is not a LoRA adapter GGUF (general.type "
+                               f"{meta.get('general.type')!r}, adapter.type {meta.get('adapter.type')!r})",
+                          code="invalid_adapter")
+    if base is not None:
+        try:
+            arch = gguf_metadata(base, ("general.architecture",)).get("general.architecture")
+        except ValueError:
+            arch = None
+        if arch and meta.get("general.architecture") != arch:
+            raise LoadRefused(400, f"adapter {str(path)[:200]!r} is for {meta.get('general.architecture')!r}; "
+                                   f"the base model is {arch!r}", code="invalid_adapter")
+
+
+def check_adapters(raw, *, fmt: str, base_local: Path | None, on_this_node: bool) -> list[dict]:
+    """The load's adapters as stored on the instance ([{name, path, scale}]); LoadRefused 400."""
+    if not raw:
+        return []
+    if not isinstance(raw, list) or len(raw) > MAX_ADAPTERS:
+        raise LoadRefused(400, f"adapters must be a list of at most {MAX_ADAPTERS}")
+    out: list[dict] = []
+    seen: set[str] = set()
+    for item in raw:
+        item = item if isinstance(item, dict) else getattr(item, "dict", lambda: None)()
+        if not isinstance(item, dict):
+            raise LoadRefused(400, "each adapter is {name, path, scale?}")
+        name, path, scale = item.get("name"), item.get("path"), item.get("scale", 1.0)
+        if not isinstance(name, str) or not ADAPTER_NAME_RE.match(name):
+            raise LoadRefused(400, f"adapter name {str(name)[:80]!r} may use a-z 0-9 . _ - (max 64)")
+        if name in seen:
+            raise LoadRefused(400, f"adapter name {name!r} is given twice")
+        seen.add(name)
+        if scale is None:
+            scale = 1.0
+        if isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale) \
+                or abs(scale) > MAX_SCALE:
+            raise LoadRefused(400, f"adapter {name!r}: scale must be a number in -{MAX_SCALE:g}..{MAX_SCALE:g}")
+        if not isinstance(path, str) or not path.strip() or len(path) > 1024 or any(c in path for c in "\0\n\r"):
+            raise LoadRefused(400, f"adapter {name!r}: path is empty, too long, or has a newline/NUL",
+                              code="invalid_path")
+        path = path.strip()
+        if not path.startswith("/"):
+            raise LoadRefused(400, f"adapter {name!r}: path must be an absolute path under the allowed model "
+                                   "dirs (store prefixes for adapters are not served yet)", code="invalid_path")
+        if ".." in PurePosixPath(path).parts:
+            raise LoadRefused(400, f"adapter {name!r}: path contains '..'; give the real absolute path",
+                              code="invalid_path")
+        if fmt == "gguf" and ("," in path or ":" in path):  # llama-server's --lora-scaled list syntax
+            raise LoadRefused(400, f"adapter {name!r}: a GGUF adapter's path may not hold ',' or ':'",
+                              code="invalid_path")
+        if on_this_node:
+            local = check_load_path_or_refuse(path)
+            if fmt == "gguf":
+                if local.format != "gguf":
+                    raise LoadRefused(400, f"adapter {name!r}: a GGUF model takes a GGUF adapter", code="invalid_adapter")
+                check_gguf_adapter(local.serve, base=base_local)
+            elif local.format == "gguf":
+                raise LoadRefused(400, f"adapter {name!r}: a Hugging Face model takes a PEFT folder",
+                                  code="invalid_adapter")
+        out.append({"name": name, "path": path, "scale": float(scale)})
+    return out

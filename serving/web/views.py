@@ -1,0 +1,313 @@
+"""Instance pages: the list, the Load dialog (with its live verdict), one instance with its log,
+timeline and playground, and the operator actions."""
+from __future__ import annotations
+
+import re
+
+from asgiref.sync import async_to_sync
+from django.contrib import messages
+from django.http import FileResponse, Http404, HttpRequest, HttpResponse
+from django.shortcuts import get_object_or_404, redirect, render
+from django.views.decorators.http import require_GET, require_http_methods, require_POST
+
+from accounts.audit import record_audit
+from accounts.auth import role_required
+from accounts.models import Role
+from accounts.query import ascii_int
+from hardware.models import GpuDevice, Node
+from hub.models import ModelArtifact
+from serving.control.placement import gpu_rooms
+from serving.control.planning import LoadRefused, backends_for, plan_load
+from serving.control.replicas import request_scale
+from serving.control.services import request_load, request_restart, request_unload
+from serving.models import InstanceState, ModelDeployment, ModelInstance, ScalingDecision, name_holders
+from serving.node.logs import current_log, previous_log
+from serving.proxy.metrics import usage_summary
+from serving.proxy.ondemand import queue_depth
+from serving.proxy.replicas import routing_table
+from serving.web.forms import ExtraArgsError, LoadForm, parse_adapters, parse_extra_args
+from serving.web.inference_api import ask_as_session
+from serving.web.live import instances_context, timeline_events
+
+ASCII_INT_RE = re.compile(r"^[0-9]{1,6}$")  # str.isdigit() also passes '²', which int() refuses
+
+
+def _can_operate(request: HttpRequest) -> bool:
+    return request.user.has_role(Role.OPERATOR)
+
+
+@require_GET
+def instances_page(request: HttpRequest) -> HttpResponse:
+    raw = request.GET.get("page", "1")
+    page = ascii_int(raw) or 1  # past the last page: the last one
+    ctx = instances_context(can_operate=_can_operate(request), page=page)
+    for inst in ctx["instances"]:  # this process's queue (max_concurrency); the page shows it on load
+        inst.queue_depth = queue_depth(inst.model_name)
+    if request.htmx:  # the websocket (re)connected: catch up on what happened before it
+        return render(request, "serving/partials/_instances_card.html", {**ctx, "oob": True})
+    return render(request, "serving/instances.html", ctx)
+
+
+def _node_choices() -> list[Node]:
+    return list(Node.objects.prefetch_related("gpus").order_by("name"))
+
+
+def _gpu_choices(node_name: str | None) -> list[tuple[int, str]]:
+    """(index, label with free memory) for the GPUs of a node."""
+    node = Node.objects.filter(name=node_name).first() if node_name else Node.fresh().first()
+    if node is None:
+        return []
+    rooms = {r.index: r for r in gpu_rooms(node)}
+    out = []
+    for g in GpuDevice.objects.filter(node=node).order_by("index"):
+        room = rooms.get(g.index)
+        free = room.free_mib if room else g.memory_free_mib
+        out.append((g.index, f"GPU {g.index} · {g.name} · {free / 1024:.1f} of {g.memory_total_mib / 1024:.1f} GiB free"))
+    return out
+
+
+def _gpu_indexes(data) -> list[int]:
+    return [int(g) for g in data.getlist("gpus") if ASCII_INT_RE.match(str(g))]
+
+
+def _plan_kwargs(data) -> dict:
+    """Arguments for plan_load from the form's raw data (the verdict runs on partial input)."""
+    extra = parse_extra_args(data.get("extra_args", ""))
+    tp_raw = (data.get("tensor_parallel_size") or "").strip()
+    if tp_raw and not ASCII_INT_RE.match(tp_raw):
+        raise LoadRefused(400, "tensor_parallel_size must be a whole number from 1 to 64")
+    gpus = _gpu_indexes(data)
+    return {
+        "model_path": data.get("model_path", ""), "model_name": data.get("model_name") or None,
+        "server_type": data.get("server_type") or "llm", "backend": data.get("backend") or "auto",
+        "node": data.get("node") or None, "gpus": gpus or None,
+        "tensor_parallel_size": int(tp_raw) if tp_raw else None, "extra_args": extra,
+        "adapters": parse_adapters(data.get("adapters", "")),
+    }
+
+
+@role_required(Role.OPERATOR)
+@require_GET
+def load_verdict(request: HttpRequest) -> HttpResponse:
+    """The Load dialog's verdict: backend and why, where it fits, and the command line (the same
+    plan a load would store)."""
+    ctx: dict = {}
+    try:
+        plan = plan_load(**_plan_kwargs(request.GET))
+        ctx["plan"] = plan
+        ctx["command"] = plan.command_line
+        ctx["backends"] = backends_for(plan)
+    except ExtraArgsError as exc:
+        ctx["error"] = f"Extra arguments: {exc}"
+    except LoadRefused as exc:
+        ctx["error"] = exc.message
+    except ValueError as exc:  # parse_adapters
+        ctx["error"] = f"LoRA adapters: {exc}"
+    ctx["gpu_choices"] = _gpu_choices(request.GET.get("node"))
+    ctx["selected_gpus"] = set(_gpu_indexes(request.GET))
+    return render(request, "serving/partials/_load_verdict.html", ctx)
+
+
+@role_required(Role.OPERATOR)
+@require_http_methods(["GET", "POST"])
+def load_page(request: HttpRequest) -> HttpResponse:
+    nodes = _node_choices()
+    node_name = request.POST.get("node") or request.GET.get("node") or (nodes[0].name if nodes else None)
+    gpu_choices = _gpu_choices(node_name)
+    error = None
+    if request.method == "POST":
+        form = LoadForm(request.POST, gpu_choices=gpu_choices)
+        if form.is_valid():
+            d = form.cleaned_data
+            try:
+                inst = request_load(
+                    model_path=d["model_path"], model_name=d["model_name"] or None, server_type=d["server_type"],
+                    backend=d["backend"], node=d["node"] or None, gpus=d["gpus"] or None,
+                    tensor_parallel_size=d["tensor_parallel_size"], extra_args=d["extra_args"],
+                    autostart=d["autostart"], user=request.user, fallback=d["fallback"] or None, policy=d["policy"],
+                    idle_ttl_s=d["idle_ttl_s"], pinned=d["pinned"], max_concurrency=d["max_concurrency"],
+                    adapters=d["adapters"],
+                )
+            except LoadRefused as exc:
+                error = exc.message
+                record_audit(action="load", target=d["model_name"] or d["model_path"], request=request,
+                             outcome="refused", detail={"code": exc.code, "message": exc.message[:300]})
+            else:
+                record_audit(action="load", target=f"{inst.model_name} (instance {inst.pk})", request=request,
+                             detail={"model_path": inst.model_path, "node": inst.node.name, "backend": inst.backend})
+                messages.success(request, f"Loading {inst.model_name} on {inst.node.name}." if inst.state != "IDLE"
+                                 else f"{inst.model_name} is registered on {inst.node.name}; the first request "
+                                      "starts it.")
+                return redirect("instance-detail", pk=inst.pk)
+    else:
+        form = LoadForm(initial={"model_path": request.GET.get("model_path", ""), "node": node_name},
+                        gpu_choices=gpu_choices)
+    ctx = {"form": form, "nodes": nodes, "node_name": node_name, "error": error,
+           "can_operate": _can_operate(request),
+           "artifacts": ModelArtifact.objects.filter(complete=True).values_list("prefix", flat=True)[:500]}
+    status = 400 if error or (request.method == "POST" and not form.is_valid()) else 200
+    return render(request, "serving/load.html", ctx, status=status)
+
+
+@require_GET
+def instance_detail(request: HttpRequest, pk: int) -> HttpResponse:
+    inst = get_object_or_404(ModelInstance.objects.select_related("node"), pk=pk)
+    log_path = current_log(inst.pk)
+    offset, lines = _last_lines(log_path, 500) if log_path.exists() else (0, list(inst.log_tail or []))
+    evs = timeline_events(inst.pk)
+    base = request.build_absolute_uri("/v1")
+    ctx = {
+        "inst": inst, "events": evs, "version": evs[-1].pk if evs else 0, "log_lines": lines, "log_offset": offset,
+        "can_operate": _can_operate(request),
+        "has_previous": previous_log(inst.pk).exists(), "api_base": base,
+        "usage": usage_summary(instance_id=inst.pk),
+    }
+    # Replicas (issue 30): every holder of the served name, the desired count, usage per replica and summed.
+    replicas = list(ModelInstance.objects.select_related("node").filter(name_holders(), model_name=inst.model_name)
+                    .order_by("replica", "pk"))
+    deployment = ModelDeployment.objects.filter(model_name=inst.model_name).first()
+    ctx.update(replicas=replicas, replicas_desired=deployment.replicas if deployment else len(replicas),
+               deployment=deployment,
+               decisions=list(ScalingDecision.objects.filter(model_name=inst.model_name)[:20]))
+    if len(replicas) > 1:
+        rows = usage_summary(model=inst.model_name)
+        ctx["usage"] = rows
+        ctx["usage_total"] = {k: sum(r[k] for r in rows) for k in
+                              ("requests", "errors", "in_flight", "prompt_tokens", "completion_tokens")}
+    if request.htmx:  # the websocket (re)connected: catch up on what happened before it
+        return render(request, "serving/partials/_instance_live.html", ctx)
+    return render(request, "serving/instance_detail.html", ctx)
+
+
+def _last_lines(path, n: int) -> tuple[int, list[str]]:
+    """(offset after the last complete line, the last n complete lines) of a log file."""
+    with open(path, "rb") as fh:
+        fh.seek(0, 2)
+        size = fh.tell()
+        start = max(0, size - 256 * 1024)
+        fh.seek(start)
+        data = fh.read()
+    complete = data[: data.rfind(b"\n") + 1]
+    return start + len(complete), complete.decode(errors="replace").splitlines()[-n:]
+
+
+@require_GET
+def instance_log(request: HttpRequest, pk: int) -> FileResponse:
+    inst = get_object_or_404(ModelInstance, pk=pk)
+    which = request.GET.get("run", "current")
+    if which not in ("current", "previous"):
+        raise Http404("run is current or previous")
+    path = current_log(inst.pk) if which == "current" else previous_log(inst.pk)
+    if not path.exists():
+        raise Http404("no log for this run")
+    name = f"{inst.model_name.replace('/', '_')}-{inst.pk}-{which}.log"
+    return FileResponse(open(path, "rb"), as_attachment=True, filename=name, content_type="text/plain")  # noqa: SIM115
+
+
+@role_required(Role.OPERATOR)
+@require_POST
+def instance_unload(request: HttpRequest, pk: int) -> HttpResponse:
+    return _instance_action(request, pk, "unload")
+
+
+@role_required(Role.OPERATOR)
+@require_POST
+def instance_restart(request: HttpRequest, pk: int) -> HttpResponse:
+    return _instance_action(request, pk, "restart")
+
+
+@role_required(Role.OPERATOR)
+@require_POST
+def instance_scale(request: HttpRequest, pk: int) -> HttpResponse:
+    """The scale control (issue 30): the instance's served name to `replicas` replicas."""
+    inst = get_object_or_404(ModelInstance.objects.select_related("node"), pk=pk)
+    raw = request.POST.get("replicas", "")
+    replicas = int(raw) if ASCII_INT_RE.match(raw) else 0
+    target = inst.model_name
+    try:
+        done = request_scale(model_name=target, replicas=replicas, user=request.user,
+                             in_flight=routing_table.in_flight_by_instance())
+    except LoadRefused as exc:
+        text, kind = exc.message, "error"
+        record_audit(action="scale", target=target, request=request, outcome="refused",
+                     detail={"code": exc.code, "message": exc.message[:300]})
+    else:
+        text, kind = f"{target}: {done.previous} -> {done.replicas} replicas requested", "success"
+        if done.draining:
+            text += f" ({len(done.draining)} draining: out of routing, stopped once their requests are done)"
+        record_audit(action="scale", target=target, request=request,
+                     detail={"from": done.previous, "to": done.replicas, "started": [i.pk for i in done.started],
+                             "draining": [i.pk for i in done.draining]})
+    if request.htmx:
+        return render(request, "serving/partials/_action_msg.html", {"text": text, "kind": kind})
+    getattr(messages, kind)(request, text)
+    return redirect("instance-detail", pk=pk)
+
+
+def _instance_action(request: HttpRequest, pk: int, action: str) -> HttpResponse:
+    inst = get_object_or_404(ModelInstance.objects.select_related("node"), pk=pk)
+    try:
+        if action == "unload":
+            request_unload(instance=inst)
+            text, kind = f"Unload of {inst.model_name} requested.", "success"
+        elif action == "restart":
+            request_restart(instance=inst)
+            text, kind = f"Restart of {inst.model_name} requested.", "success"
+        else:
+            raise Http404("unknown action")
+    except LoadRefused as exc:
+        text, kind = exc.message, "error"
+        record_audit(action=action, target=f"{inst.model_name} (instance {inst.pk})", request=request,
+                     outcome="refused", detail={"code": exc.code, "message": exc.message[:300]})
+    else:
+        record_audit(action=action, target=f"{inst.model_name} (instance {inst.pk})", request=request,
+                     detail={"node": inst.node.name})
+    if request.htmx:
+        return render(request, "serving/partials/_action_msg.html", {"text": text, "kind": kind})
+    getattr(messages, kind)(request, text)
+    return redirect("instance-detail", pk=pk)
+
+
+@require_POST
+def playground(request: HttpRequest, pk: int) -> HttpResponse:
+    """Send one chat message (LLM), one text to embed, or a query and its documents (a reranker:
+    the first line and the lines after it) to the instance's model, server-side. It goes through
+    the inference proxy as the signed-in user (serving.web.inference_api.ask_as_session), never straight
+    to the backend: the queue, max_concurrency, usage and the request log hold for it as for /v1/."""
+    inst = get_object_or_404(ModelInstance.objects.select_related("node"), pk=pk)
+    text = (request.POST.get("prompt") or "").strip()
+    ctx: dict = {"inst": inst, "prompt": text}
+    if not text or len(text) > 8000:
+        ctx["error"] = "Type a message (at most 8000 characters)."
+    elif inst.state != InstanceState.READY:
+        ctx["error"] = f"{inst.model_name} is {inst.state}, not READY."
+    elif inst.type == "rerank" and len([line for line in text.splitlines() if line.strip()]) < 2:
+        ctx["error"] = "Give the query on the first line and at least one document on the lines after it."
+    else:
+        if inst.type == "rerank":
+            query, *docs = [line.strip() for line in text.splitlines() if line.strip()]
+            path, body = "/v1/rerank", {"model": inst.model_name, "query": query, "documents": docs}
+        elif inst.type == "embedding":
+            path, body = "/v1/embeddings", {"model": inst.model_name, "input": text}
+        else:
+            path, body = "/v1/chat/completions", {"model": inst.model_name, "max_tokens": 64,
+                                                  "messages": [{"role": "user", "content": text}]}
+        status, data = async_to_sync(ask_as_session)(request, path, body)
+        try:
+            if status != 200:
+                error = data.get("error")
+                message = error.get("message") if isinstance(error, dict) else None
+                ctx["error"] = f"{status}: {str(message or data)[:300]}"
+            elif inst.type == "rerank":
+                ctx["prompt"] = query
+                ctx["ranking"] = [{"score": row["relevance_score"], "document": docs[row["index"]]}
+                                  for row in data["results"]]
+            elif inst.type == "embedding":
+                vec = data["data"][0]["embedding"]
+                ctx["embedding"] = {"dims": len(vec), "head": ", ".join(f"{v:.4f}" for v in vec[:8])}
+            else:
+                ctx["reply"] = data["choices"][0]["message"]["content"]
+                ctx["usage"] = data.get("usage") or {}
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
+            ctx["error"] = f"The backend's answer was not understood: {exc.__class__.__name__}: {str(exc)[:200]}"
+    return render(request, "serving/partials/_playground_reply.html", ctx)
