@@ -382,7 +382,9 @@ class Supervisor(AgentWorker):
             seen.add(inst.pk)
             run = self.runs.get(inst.pk)
             if run is not None and run.stopper is not None:
-                continue  # being stopped
+                if not run.stopper.done():
+                    continue  # being stopped
+                self._stopper_failed(inst.pk, run)  # it ended with the backend still here: try again below
             if inst.desired_state == DesiredState.STOPPED:
                 if run is not None and inst.drain_until is not None and inst.drain_until > timezone.now():
                     run.stopper = asyncio.create_task(self._drain_and_stop(run, inst.drain_until))
@@ -415,6 +417,15 @@ class Supervisor(AgentWorker):
             run = self.runs[pk]
             if run.stopper is None:
                 run.stopper = asyncio.create_task(self.stop_instance(pk, "instance deleted"))
+
+    def _stopper_failed(self, instance_id: int, run: BackendRun) -> None:
+        """A stop that ended without taking its run out of `runs` (it raised: a database call failed
+        mid-stop, most often) would leave the row UNLOADING for good, since a run with a stopper is
+        skipped: the error is logged and the run is handled afresh by this reconcile."""
+        task, run.stopper, run.stopping = run.stopper, None, False
+        exc = None if task is None or task.cancelled() else task.exception()
+        log.warning("stopping instance %s ended without stopping it (%s); trying again", instance_id,
+                    f"{exc.__class__.__name__}: {exc}" if exc else "cancelled", exc_info=exc)
 
     @staticmethod
     def _idle_too_long(inst: ModelInstance) -> bool:

@@ -37,11 +37,22 @@ def _wait_state(cluster, web: str, instance_id: int, state: str, timeout: float 
         while True:
             inst = client.get(f"/api/management/instances/{instance_id}").json()
             if inst["state"] == state or time.monotonic() > deadline:
-                assert inst["state"] == state, inst
+                assert inst["state"] == state, _what_happened(cluster, inst)
                 return inst
             if inst["state"] == "ERROR" and state != "ERROR":
                 raise AssertionError(inst)
             time.sleep(0.3)
+
+
+def _what_happened(cluster, inst: dict) -> str:
+    """A failed wait's evidence: the row, its timeline and the tail of its node agent's log."""
+    code = ("from serving.models import InstanceEvent as E; "
+            f"print('\\n'.join(f'{{e.at:%H:%M:%S.%f}} {{e.to_state}} {{e.message}}' "
+            f"for e in E.objects.filter(instance_id={inst['id']}).order_by('pk')))")
+    timeline = cluster.manage("shell", "-v", "0", "-c", code).stdout
+    agent = cluster.agents.get(inst.get("node") or "")
+    tail = agent.log[-4000:] if agent is not None else "(no agent log)"
+    return f"{inst}\ntimeline:\n{timeline}\nagent log:\n{tail}"
 
 
 def _chat(cluster, web: str, model: str) -> int:

@@ -201,3 +201,24 @@ async def test_a_backend_that_is_not_healthy_in_time_is_stopped_with_an_error(ag
     started = await sync_to_async(InstanceEvent.objects.get)(instance_id=inst.pk, to_state="LOADING")
     port = int(started.message.rsplit(" ", 1)[1])
     assert backend_pids("tiny-slow", port) == [], "the backend was stopped"
+
+
+async def test_a_stop_that_failed_midway_is_tried_again_by_the_next_reconcile(agent, tiny_gguf, caplog):
+    """A stop task that raised (a database call failing mid-stop) left its run in the supervisor's
+    table with the task set, and reconcile skipped any run with a stop task: the row stayed where
+    the failed stop left it (UNLOADING) for good. Now the ended task is logged and the run stopped again."""
+    inst = await sync_to_async(_load)(tiny_gguf, "tiny-stop-again")
+    inst = await wait_state(inst.pk, {InstanceState.READY, InstanceState.ERROR})
+    assert inst.state == InstanceState.READY, inst.last_error
+    run = agent.supervisor.runs[inst.pk]
+
+    async def failed_stop() -> None:
+        raise RuntimeError("the database went away mid-stop")
+
+    run.stopper = asyncio.create_task(failed_stop())
+    await asyncio.wait([run.stopper])
+    from serving.control.services import request_unload
+    await sync_to_async(request_unload)(instance=inst)
+    inst = await wait_state(inst.pk, {InstanceState.STOPPED}, timeout=30)
+    assert inst.pid is None and inst.pk not in agent.supervisor.runs
+    assert "ended without stopping it (RuntimeError: the database went away mid-stop)" in caplog.text
