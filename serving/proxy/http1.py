@@ -236,6 +236,9 @@ class _Connection(asyncio.Protocol):
         self.closed = False
         self.paused = False
         self.idle_since = 0.0
+        self.opened_at = time.monotonic()
+        self.requests = 0  # sent on this connection, the current one included
+        self.answered_at = 0.0  # monotonic time the last answer's final byte was read (0: not yet)
         self.waiter: asyncio.Future[Response] | None = None  # the next answer's headers
         self.response: Response | None = None
         self.received = False  # any byte of the current answer
@@ -298,14 +301,21 @@ class _Connection(asyncio.Protocol):
             if self.received:
                 self._fail(Broken(f"The backend closed the connection before answering{reason}."))
             else:
-                self._fail(Disconnected(f"The backend closed the connection before answering{reason}.",
-                                        retry_safe=self._request_unread()))
+                self._fail(Disconnected(f"The backend closed the connection before answering{reason} "
+                                        f"({self._story()}).", retry_safe=self._request_unread()))
         elif self.response is not None and not self.response._complete:
             if self.response._until_close and exc is None:
                 self.response._end()
             else:
                 self.response._end(Broken(f"The backend closed the connection mid-answer{reason}."))
         self.response = None
+
+    def _story(self) -> str:
+        """The connection's history, for the message of a close nobody can reproduce at will."""
+        now = time.monotonic()
+        idle = f", idle {self.sent_at - self.idle_since:.2f} s before it" if self.requests > 1 else ""
+        return (f"request {self.requests} on a connection opened {now - self.opened_at:.2f} s before{idle}, "
+                f"sent {now - self.sent_at:.3f} s before")
 
     def _request_unread(self) -> bool:
         """Whether the backend's kernel acknowledged no byte of the current request (Linux's
@@ -364,6 +374,7 @@ class _Connection(asyncio.Protocol):
             self.response._feed(body)
 
     def on_message_complete(self) -> None:
+        self.answered_at = time.monotonic()  # the backend's keep-alive clock started by here
         response = self.response
         if response is not None and self.waiter is None:
             response._end()
@@ -458,7 +469,10 @@ class _HostPool:
 
     def put(self, conn: _Connection) -> None:
         self.in_use.discard(conn)
-        conn.idle_since = time.monotonic()
+        # Idle since the backend's last byte, not since the reader let go: a stream relayed to a slow
+        # client comes back late, and the backend's keep-alive clock ran from its last write.
+        now = time.monotonic()
+        conn.idle_since = min(now, conn.answered_at) if conn.answered_at else now
         self.idle.append(conn)
         if self._sweeper is None:
             self._sweeper = asyncio.get_running_loop().call_later(KEEPALIVE_S, self._sweep)
@@ -487,10 +501,10 @@ class _HostPool:
         """Close connections idle past KEEPALIVE_S (the oldest sit first)."""
         self._sweeper = None
         deadline = time.monotonic() - KEEPALIVE_S
-        while self.idle and self.idle[0].idle_since <= deadline:
-            self.idle.pop(0).close()
+        for conn in [c for c in self.idle if c.idle_since <= deadline]:  # (not in idle_since order)
+            conn.close()
         if self.idle:
-            wait = self.idle[0].idle_since + KEEPALIVE_S - time.monotonic()
+            wait = min(c.idle_since for c in self.idle) + KEEPALIVE_S - time.monotonic()
             self._sweeper = asyncio.get_running_loop().call_later(max(wait, 0.1), self._sweep)
         else:
             self.drop_if_empty()
@@ -578,6 +592,8 @@ class Client:
         head = b"POST %s HTTP/1.1\r\nhost: %s\r\ncontent-length: %d\r\n%s\r\n" % (
             target.encode("latin-1"), pool.host_header, len(body), headers)
         conn.sent_before = conn.sent
+        conn.answered_at = 0.0
+        conn.requests += 1
         conn.sent += len(head) + len(body)
         if len(body) < 65536:
             conn.transport.write(head + body)

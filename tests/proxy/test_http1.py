@@ -508,20 +508,9 @@ async def test_a_close_after_the_request_was_read_is_not_safe_to_retry(client):
 def _closing_backend():
     """A blocking loopback server (a thread) whose `close_all()` closes what it accepted, at once."""
     import socket
-    import threading
 
-    listener = socket.create_server(("127.0.0.1", 0))
     accepted: list[socket.socket] = []
     requests: list[bytes] = []
-
-    def serve() -> None:
-        while True:
-            try:
-                conn, _ = listener.accept()
-            except OSError:
-                return
-            accepted.append(conn)
-            threading.Thread(target=answer_all, args=(conn,), daemon=True).start()
 
     def answer_all(conn: socket.socket) -> None:
         data = b""
@@ -543,8 +532,29 @@ def _closing_backend():
             conn.shutdown(socket.SHUT_RDWR)
             conn.close()
 
+    listener, url = _threaded_server(answer_all, accepted)
+    return listener, url, close_all, requests
+
+
+def _threaded_server(handle, accepted: list | None = None):
+    """A blocking loopback listener whose connections are each handled by `handle(conn)` in a thread."""
+    import socket
+    import threading
+
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            if accepted is not None:
+                accepted.append(conn)
+            threading.Thread(target=handle, args=(conn,), daemon=True).start()
+
     threading.Thread(target=serve, daemon=True).start()
-    return listener, f"http://127.0.0.1:{listener.getsockname()[1]}", close_all, requests
+    return listener, f"http://127.0.0.1:{listener.getsockname()[1]}"
 
 
 async def _pooled_then_closed(client: http1.Client, url: str, close_all) -> None:
@@ -606,3 +616,52 @@ async def test_a_timed_out_answer_stays_failed_when_its_close_follows(waits):
         await asyncio.sleep(0.8)  # not reading: the wait fires, then the connection's close
         with pytest.raises(http1.IdleTimeout):
             await chunks.__anext__()
+
+
+def _keepalive_backend(keepalive_s: float, closing_s: float):
+    """A blocking loopback server that keeps a connection like cpp-httplib (llama-server): after an
+    answer it waits `keepalive_s` for the next request, and closes when none came. Its close takes
+    `closing_s` here (on a real server the window is microseconds, widened to be hit on purpose):
+    a request that arrives meanwhile is acknowledged by the kernel, never read, and reset."""
+    import socket
+
+    requests: list[bytes] = []
+
+    def keep(conn: socket.socket) -> None:
+        import select
+        import time
+
+        with conn:
+            while True:
+                if not select.select([conn], [], [], keepalive_s)[0]:
+                    time.sleep(closing_s)  # closing: what arrives now stays unread (a reset)
+                    return
+                data = conn.recv(65536)
+                if not data:
+                    return
+                requests.append(data)
+                conn.sendall(JSON_OK)
+
+    listener, url = _threaded_server(keep)
+    return listener, url, requests
+
+
+async def test_keepalive_counts_from_the_backends_last_byte_not_from_the_readers_release(client, monkeypatch):
+    """The backend's keep-alive clock starts when it has written its answer; a stream relayed to
+    a slow client goes back to the pool only when the client has it all, later. Counted from that
+    release, a connection the backend is closing was reused and the request reset (a 502 seen in
+    rolling restarts under load); counted from the backend's last byte, it is not reused."""
+    monkeypatch.setattr(http1, "KEEPALIVE_S", 0.4)
+    listener, url, requests = _keepalive_backend(keepalive_s=0.5, closing_s=0.6)
+    try:
+        response = await client.post(url, "/x", b"", b"")
+        await asyncio.sleep(0.3)  # the answer came at once; the reader takes it 0.3 s later
+        assert await response.read() == b'{"ok":true}'
+        response.release()
+        await asyncio.sleep(0.35)  # 0.65 s after the backend's last byte: it is closing the connection
+        response = await client.post(url, "/x", b"", b"")
+        assert await response.read() == b'{"ok":true}'
+        response.release()
+        assert len(requests) == 2
+    finally:
+        listener.close()
