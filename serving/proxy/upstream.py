@@ -598,6 +598,7 @@ async def open_upstream(*, path: str, query: bytes, body: bytes, candidates: lis
                 continue
             if isinstance(exc, http1.Disconnected) and not exc.retry_safe:
                 # Closed after the request reached it: it may have run (a POST is never sent twice).
+                _failed_on(ctx, backend, exc)
                 metrics.record(model=backend.model_name, instance_id=backend.instance_id, status=502,
                                duration_s=time.perf_counter() - started, first_byte_s=None, error="upstream")
                 raise ProxyError(502, f"The backend closed the connection after it received the request, "
@@ -616,10 +617,12 @@ async def open_upstream(*, path: str, query: bytes, body: bytes, candidates: lis
                                    duration_s=time.perf_counter() - started, first_byte_s=None, error="connect")
                 continue
             if isinstance(exc, http1.FirstByteTimeout):
+                _failed_on(ctx, backend, exc)
                 metrics.record(model=backend.model_name, instance_id=backend.instance_id, status=504,
                                duration_s=time.perf_counter() - started, first_byte_s=None, error="timeout")
                 raise ProxyError(504, str(exc), code="upstream_timeout") from None
             if isinstance(exc, http1.UpstreamError | OSError):
+                _failed_on(ctx, backend, exc)
                 metrics.record(model=backend.model_name, instance_id=backend.instance_id, status=502,
                                duration_s=time.perf_counter() - started, first_byte_s=None, error="upstream")
                 raise ProxyError(502, f"The backend failed before answering: {exc.__class__.__name__}: {exc}",
@@ -634,6 +637,16 @@ async def open_upstream(*, path: str, query: bytes, body: bytes, candidates: lis
                      code="upstream_unreachable")
 
 
+
+
+def _failed_on(ctx: RequestContext | None, backend: Backend, exc: BaseException) -> None:
+    """A replica failed a request it was sent: its row in the request log names it, and one log line
+    says which connection (the evidence for a failure nobody can reproduce at will)."""
+    if ctx is not None:
+        ctx.failed_on = (backend.instance_id, backend.node)
+    log.warning("request %s failed on %s (instance %s of %s, node %s): %s: %s",
+                ctx.request_id if ctx is not None else "-", backend.base_url, backend.instance_id,
+                backend.model_name, backend.node, exc.__class__.__name__, exc)
 
 
 class UpstreamPoolCollector:

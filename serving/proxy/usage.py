@@ -70,6 +70,7 @@ class RequestContext:
     t0: float = field(default_factory=time.perf_counter)
     at: float = field(default_factory=time.time)
     logged: bool = False
+    failed_on: tuple[int, str] | None = None  # (instance id, node) of the replica that failed the request
 
     @property
     def answer_request_id(self) -> str:
@@ -206,7 +207,8 @@ class UsageRecorder:
         in the request log, and in the key's usage as a request (an error unless the client left)."""
         if ctx.logged:
             return
-        row = self._row(ctx, model=ctx.model, instance_id=None, node="", status=status, error=code or "",
+        instance_id, node = ctx.failed_on or (None, "")
+        row = self._row(ctx, model=ctx.model, instance_id=instance_id, node=node, status=status, error=code or "",
                         prompt_tokens=0, completion_tokens=0, ttft_s=None)
         self._add(row, hour_of(time.time()), 0, failed=status >= 400 and status != 499, busy_s=0.0)
 

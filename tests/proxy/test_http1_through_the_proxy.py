@@ -131,13 +131,24 @@ async def test_a_backend_that_closes_after_reading_a_post_is_not_sent_it_again(p
     async def answer(request, writer):
         return "close"
 
+    from asgiref.sync import sync_to_async
+
+    from serving.models import RequestLog
+    from serving.proxy.usage import recorder
+
     try:
         async with Backend(answer) as backend:
-            await proxy.add("closes", backend)
+            pk = await proxy.add("closes", backend)
             status, _, body = await proxy.ask("closes")
             assert status == 502 and json.loads(body)["error"]["code"] == "upstream_error", body
-            assert "not sent again" in json.loads(body)["error"]["message"]
+            message = json.loads(body)["error"]["message"]
+            assert "not sent again" in message and "request 1 on a connection opened" in message, message
             assert len(chats(backend.requests)) == 1
+            # The request log names the replica that failed it (it said no instance before).
+            await recorder.flush()
+            rows = await sync_to_async(lambda: list(RequestLog.objects.filter(model="closes").values_list(
+                "status", "error", "instance_id", "node")))()
+            assert rows == [(502, "upstream_error", pk, "gpu-http1")], rows
     finally:
         await shutdown_proxy()
 
