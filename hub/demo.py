@@ -73,10 +73,10 @@ FIM_TOKENS = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")
 
 
 def write_tiny_llama_gguf(path: Path | str, *, seed: int = 0, name: str = "xgen-tiny-llama",
-                          fim: bool = False) -> Path:
+                          fim: bool = False, n_ctx: int = N_CTX) -> Path:
     """Write the tiny model to `path` (atomically) and return it; `fim` adds the fill-in-the-middle
     tokens llama-server's /infill needs (the vocabulary, and so the weights, of the default model
-    stay as they are)."""
+    stay as they are); `n_ctx`: its training context (llama.cpp caps a slot's context at it)."""
     import gguf
 
     path = Path(path)
@@ -95,7 +95,7 @@ def write_tiny_llama_gguf(path: Path | str, *, seed: int = 0, name: str = "xgen-
 
     writer = gguf.GGUFWriter(str(tmp), "llama")
     writer.add_name(name)
-    writer.add_context_length(N_CTX)
+    writer.add_context_length(n_ctx)
     writer.add_embedding_length(N_EMBD)
     writer.add_block_count(N_LAYER)
     writer.add_feed_forward_length(N_FF)
