@@ -34,12 +34,15 @@ from urllib.parse import quote
 
 import httptools
 
-# An idle pooled connection is reused for at most this long: under the 5 s after which the engines
-# close an idle keep-alive connection (llama-server's cpp-httplib, and uvicorn under
+# An idle pooled connection is reused for at most this long: well under the 5 s after which the
+# engines close an idle keep-alive connection (llama-server's cpp-httplib, and uvicorn under
 # llama-cpp-python and vLLM). Reused closer to their close, a request can cross the backend's FIN
 # on the wire; its bytes may be acknowledged before the close, so it cannot be proven unread and
-# is not sent again (a 502). A new loopback/LAN connection costs well under a millisecond.
-KEEPALIVE_S = 4.0
+# is not sent again (a 502). Idle counts from the answer's last byte as this process read it, which
+# a busy event loop reads late: the 3 s margin covers that lag (4 s left 1 s, and a rolling restart
+# on a loaded 2-core machine still met the race). A new loopback/LAN connection costs well under a
+# millisecond.
+KEEPALIVE_S = 2.0
 READ_HIGH = 1 << 20  # unread answer bytes past which the connection stops reading (until they are taken)
 MAX_HEAD_BYTES = 64 * 1024  # an answer's head (interim 1xx heads included); more is refused
 MAX_HEADERS = 100  # header (or trailer) fields in one answer
