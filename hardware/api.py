@@ -31,6 +31,7 @@ def _node_out(card: NodeCard) -> dict[str, Any]:
         "address": node.address,
         "status": card.status,
         "last_heartbeat": node.last_heartbeat,
+        "draining_since": node.draining_since,
         "backends": node.backend_names,
         "gpus": [_gpu_out(row) for row in card.gpus],
     }

@@ -51,6 +51,10 @@ class Node(models.Model):
                                 help_text="the id of the agent process holding the node ('': none)")
     agent_host = models.CharField(max_length=300, blank=True, default="", db_default="",
                                   help_text="the holding agent's host: hostname#boot id")
+    # Its agent got SIGTERM and is draining (issue 31 #4): it finishes what it serves, but no load,
+    # replica or relocation is placed on it; cleared when an agent registers the node again.
+    draining_since = models.DateTimeField(null=True, blank=True,
+                                          help_text="when its agent began draining (null: not draining)")
 
     class Meta:
         ordering = ["name"]
@@ -90,9 +94,14 @@ class Node(models.Model):
 
     @classmethod
     def fresh(cls) -> models.QuerySet:
-        """Nodes whose agent heartbeated recently enough to take work."""
+        """Nodes whose agent heartbeated recently enough to serve (routing reads these)."""
         cutoff = timezone.now() - timedelta(seconds=settings.NODE_STALE_AFTER_S)
         return cls.objects.filter(last_heartbeat__gte=cutoff)
+
+    @classmethod
+    def placeable(cls) -> models.QuerySet:
+        """Fresh nodes that may take new work: not draining (loads, replicas and relocations)."""
+        return cls.fresh().filter(draining_since__isnull=True)
 
 
 class GpuDevice(models.Model):

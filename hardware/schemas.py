@@ -1,6 +1,6 @@
 from datetime import datetime
 
-from ninja import Schema
+from ninja import Field, Schema
 
 
 class GpuOut(Schema):
@@ -20,5 +20,7 @@ class NodeOut(Schema):
     address: str
     status: str
     last_heartbeat: datetime | None
+    draining_since: datetime | None = Field(None, description="when its agent began draining (SIGTERM): "
+                                                              "nothing new is placed on it; null: not draining")
     backends: list[str]
     gpus: list[GpuOut]

@@ -102,7 +102,7 @@ def register_node(*, name: str, address: str, run: str = "", agent_id: str = "",
     now = timezone.now()
     fields = {"address": address, "started_at": now, "last_heartbeat": now, "agent_pid": os.getpid(),
               "model_memory_mib": settings.NODE_MEMORY_MIB, "agent_run": run,
-              "agent_id": agent_id, "agent_host": host if agent_id else ""}
+              "agent_id": agent_id, "agent_host": host if agent_id else "", "draining_since": None}
     with transaction.atomic():
         # Locked: two agents registering at once see each other (the second waits, then is refused).
         node = Node.objects.select_for_update().filter(name=name).first()

@@ -367,8 +367,12 @@ def pick_node(name: str | None) -> Node:
         if not node.is_online:
             raise LoadRefused(409, f"node {name} is {node.status}: its agent has not heartbeated "
                                    f"for {int(node.heartbeat_age_s or 0)} s", code="node_offline")
+        if node.draining_since is not None:
+            raise LoadRefused(409, f"node {name} is draining: its agent is stopping (since "
+                                   f"{node.draining_since:%Y-%m-%d %H:%M:%S} UTC); no new model is placed on it",
+                              code="node_draining")
         return node
-    fresh = list(Node.fresh())
+    fresh = list(Node.placeable())
     if not fresh:
         raise LoadRefused(409, "no node agent is online to run the model", code="node_offline")
     local = [n for n in fresh if n.name == settings.NODE_NAME]
@@ -394,7 +398,7 @@ def plan_load(*, model_path: str, model_name: str | None = None, server_type: st
         return _plan_on(pick_node(again.node.name), source=again.source, node_type=_plan_gpu_type(again), **kwargs)
     if node:
         return _plan_on(pick_node(node), **kwargs)
-    candidates = list(Node.fresh())
+    candidates = list(Node.placeable())
     if not candidates:
         raise LoadRefused(409, "no node agent is online to run the model", code="node_offline")
     if len(candidates) == 1:

@@ -96,7 +96,7 @@ def relocate(node: Node, *, why: str, out_of_routing: bool = True) -> list[Moved
 
 
 def _relocate_model(node: Node, name: str, *, why: str, out_of_routing: bool) -> list[Moved]:
-    targets = set(Node.fresh().exclude(pk=node.pk).values_list("pk", flat=True))
+    targets = set(Node.placeable().exclude(pk=node.pk).values_list("pk", flat=True))
     if not targets:
         _note_once(node, name, "no other node agent is online")
         return []

@@ -247,8 +247,10 @@ class Supervisor(AgentWorker):
         drain and stay stopped when an agent comes back. Nothing fits elsewhere: they stay as the
         rest (autostart, on_demand and the others, below)."""
         try:
+            # Stored first: from here no load, replica or relocation is placed on this node.
+            await _db(lambda: Node.objects.filter(name=agent.name).update(draining_since=timezone.now()))()
             node = await _db(lambda: Node.objects.filter(name=agent.name).first())()
-            others = await _db(lambda: Node.fresh().exclude(name=agent.name).exists())()
+            others = await _db(lambda: Node.placeable().exclude(name=agent.name).exists())()
             if node is None or not others:  # one node (the embedded mode): nowhere to move to
                 return
             moved = await _db(relocate)(node, why="draining (its agent got SIGTERM)", out_of_routing=False)

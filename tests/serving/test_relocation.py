@@ -176,3 +176,34 @@ def test_a_draining_node_moves_its_model_while_the_old_replica_keeps_serving_unt
     assert ScalingDecision.objects.get(model_name="drained").reason.startswith(
         "node node-t draining (its agent got SIGTERM): replica 0 moved to node-u as replica 1")
     assert relocate(node, why="draining (its agent got SIGTERM)", out_of_routing=False) == []
+
+
+def test_a_draining_node_takes_no_new_load_replica_or_relocation_and_a_new_agent_clears_it(
+        client, node, operator, tiny_gguf):
+    """A node whose agent got SIGTERM is marked draining (Node.draining_since, stored by move_off
+    before anything moves): loads, replicas and relocations go to other nodes, a load that names it
+    is a 409 node_draining, and an agent registering the node again clears the mark. Before, the
+    node stayed online while it drained, so a load could land on a node about to stop."""
+    from hardware.models import Node
+    from hardware.services import register_node
+    from serving.control.relocation import relocate
+
+    other = _other_node()
+    Node.objects.filter(pk=node.pk).update(draining_since=timezone.now())
+    [pk] = _load(client, operator.key, model_path=str(tiny_gguf), model_name="away-from-drain")
+    assert _rows("away-from-drain") == [(OTHER, 0, "PENDING", "RUNNING")]
+    r = client.post("/api/management/load", {"model_path": str(tiny_gguf), "model_name": "named", "node": NODE},
+                    content_type="application/json", **bearer(operator.key))
+    assert r.status_code == 409 and r.json()["error"]["code"] == "node_draining", r.content
+    assert "is draining" in r.json()["error"]["message"]
+    _ready(pk)
+    r = client.post("/api/management/scale", {"model_name": "away-from-drain", "replicas": 2},
+                    content_type="application/json", **bearer(operator.key))
+    assert r.status_code == 202, r.content
+    assert [row[0] for row in _rows("away-from-drain")] == [OTHER, OTHER]  # not on the draining node
+    # The other node going away: its replicas have nowhere to go but the draining node, which takes none.
+    assert relocate(other, why="offline (test)", out_of_routing=True) == []
+    nodes = {n["name"]: n for n in client.get("/api/hardware/nodes", **bearer(operator.key)).json()}
+    assert nodes[NODE]["draining_since"] is not None and nodes[OTHER]["draining_since"] is None
+    register_node(name=NODE, address="127.0.0.1")
+    assert Node.objects.get(pk=node.pk).draining_since is None
