@@ -51,7 +51,12 @@ def _what_happened(cluster, inst: dict) -> str:
             f"for e in E.objects.filter(instance_id={inst['id']}).order_by('pk')))")
     timeline = cluster.manage("shell", "-v", "0", "-c", code).stdout
     agent = cluster.agents.get(inst.get("node") or "")
-    tail = agent.log[-4000:] if agent is not None else "(no agent log)"
+    if agent is None:
+        return f"{inst}\ntimeline:\n{timeline}\n(no agent)"
+    if agent.proc.poll() is None:
+        agent.proc.send_signal(signal.SIGUSR1)  # the agent's stacks into its log (faulthandler)
+        time.sleep(1)
+    tail = agent.log[-12000:]
     return f"{inst}\ntimeline:\n{timeline}\nagent log:\n{tail}"
 
 

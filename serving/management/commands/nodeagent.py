@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import signal
 
 from django.conf import settings
@@ -19,6 +20,9 @@ class Command(BaseCommand):
         parser.add_argument("--address", default=None, help="address web processes reach backends on")
 
     def handle(self, *args, name: str | None, address: str | None, **options):
+        # `kill -USR1 <pid>` writes every thread's stack to the agent's stderr (its log): what a
+        # hung agent waits on, without stopping it (stdlib faulthandler, no debugger needed).
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
         agent = NodeAgent(name=name, address=address)
 
         async def main() -> None:
