@@ -53,10 +53,11 @@ def _what_happened(cluster, inst: dict) -> str:
     agent = cluster.agents.get(inst.get("node") or "")
     if agent is None:
         return f"{inst}\ntimeline:\n{timeline}\n(no agent)"
-    if agent.proc.poll() is None:
+    code = agent.proc.poll()
+    if code is None:
         agent.proc.send_signal(signal.SIGUSR1)  # the agent's stacks into its log (faulthandler)
         time.sleep(1)
-    tail = agent.log[-12000:]
+    tail = f"(the agent {'runs' if code is None else f'exited with {code}'})\n{agent.log[-12000:]}"
     return f"{inst}\ntimeline:\n{timeline}\nagent log:\n{tail}"
 
 

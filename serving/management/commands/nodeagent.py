@@ -21,7 +21,9 @@ class Command(BaseCommand):
 
     def handle(self, *args, name: str | None, address: str | None, **options):
         # `kill -USR1 <pid>` writes every thread's stack to the agent's stderr (its log): what a
-        # hung agent waits on, without stopping it (stdlib faulthandler, no debugger needed).
+        # hung agent waits on, without stopping it (stdlib faulthandler, no debugger needed); a
+        # fatal signal (a crash in a native library) writes them too before the agent dies.
+        faulthandler.enable(all_threads=True)
         faulthandler.register(signal.SIGUSR1, all_threads=True)
         agent = NodeAgent(name=name, address=address)
 
