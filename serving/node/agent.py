@@ -31,6 +31,7 @@ from hardware.services import (
 from history.worker import DownsampleWorker
 from hub.worker import HubWorker
 from live.db import DatabaseUnavailable, run_db
+from live.tasks import cancel_and_wait
 from serving.control.events import node_group
 from serving.node.supervisor import Supervisor
 from serving.node.workers import AgentWorker, RequestLogPruner, UsageJournalReplayer
@@ -112,7 +113,19 @@ class NodeAgent:
         if self.run_id:
             LOCAL_AGENT_RUNS[self.name] = self.run_id  # before it registers: no load reads the last run's inventory
         try:
-            await self.start()
+            # SIGTERM during the start (a pod deleted while autostart models load, a restart that
+            # stalls on the store) stops it there: the workers started so far are stopped below.
+            starting = asyncio.create_task(self.start(), name="agent-start")
+            stopped = asyncio.create_task(stop.wait())
+            try:
+                await asyncio.wait({starting, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                stopped.cancel()
+            if not starting.done():
+                log.info("node agent %s: stopped while starting", self.name)
+                await cancel_and_wait(starting)
+                return
+            starting.result()  # a start that failed (a refused registration) raises here
             self.started.set()
             self._tasks = [
                 asyncio.create_task(self._heartbeat_loop(), name="agent-heartbeat"),
