@@ -87,7 +87,7 @@ def _told(r: httpx.Response, stream: bool) -> tuple[int, int] | None:
 def _cut_stream(c: Cluster, key: str, request_id: str) -> None:
     """A stream its client closes once the first token event came."""
     host, port = c.webs["a"].url.removeprefix("http://").split(":")
-    payload = json.dumps(_body(True, max_tokens=400)).encode()
+    payload = json.dumps(_body(True, max_tokens=1800)).encode()  # ~1 s: the console sees the client leave first
     with socket.create_connection((host, int(port)), timeout=60) as s:
         s.sendall(b"POST %s HTTP/1.1\r\nhost: %s\r\nauthorization: Bearer %s\r\nx-request-id: %s\r\n"
                   b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
