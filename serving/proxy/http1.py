@@ -501,7 +501,8 @@ class _HostPool:
             del pools[self.key]
 
     def _sweep(self) -> None:
-        """Close connections idle past KEEPALIVE_S (the oldest sit first)."""
+        """Close connections idle past KEEPALIVE_S (idle counts from the answer's last byte, so the
+        list is not in idle_since order)."""
         self._sweeper = None
         deadline = time.monotonic() - KEEPALIVE_S
         for conn in [c for c in self.idle if c.idle_since <= deadline]:  # (not in idle_since order)

@@ -61,6 +61,12 @@ def _wait_ready(c: FaultConsole, model: str, n: int, timeout: float = 120) -> li
 FAILURES: list[str] = []  # what each refused request said (printed by a failing assertion)
 
 
+@pytest.fixture(autouse=True)
+def _own_failures():
+    """Each test reports only the refusals it met (FAILURES is shared by the module's helpers)."""
+    FAILURES.clear()
+
+
 def _all_answered(statuses: list[int], what: str) -> None:
     """Every request answered 200, but for one 502 at most: a known defect, warned about so the run
     shows it. A backend closes a pooled keep-alive connection as a request crosses it (its bytes
