@@ -6,7 +6,6 @@ the clean-clone run, about 80 s of CI), and Kubernetes would SIGKILL it after it
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 from asgiref.sync import sync_to_async
@@ -42,10 +41,8 @@ async def test_a_stop_during_the_start_stops_the_agent_at_once_and_frees_its_nod
     stop = asyncio.Event()
     running = asyncio.create_task(agent.run(stop))
     await asyncio.wait_for(worker.starting.wait(), 30)
-    asked = time.monotonic()
     stop.set()
-    await asyncio.wait_for(running, 10)  # before: still starting after any wait
-    assert time.monotonic() - asked < 5
+    await asyncio.wait_for(running, 10)  # it returns (a liveness bound, not a speed claim); before: never
     assert worker.stopped, "the worker that was starting is stopped like a started one"
     assert not agent.started.is_set()
     node = await sync_to_async(Node.objects.get)(name="slow-starter")
