@@ -230,6 +230,24 @@ def consoles() -> Iterator[list[FaultConsole]]:
             os.kill(pid, signal.SIGKILL)
 
 
+def backends_console(data_dir: Path) -> Iterator[FaultConsole]:
+    """A module's console with every engine it may start (usage flushed each second, 20 restarts),
+    for `yield from` in a module fixture: stopped cleanly at the end, and no backend may outlive it."""
+    from tests.serving.conftest import set_console_backends
+
+    c = open_console(data_dir, extra_env={"XGEN_USAGE_FLUSH": "1", "XGEN_RESTART_LIMIT": "20"})
+    try:
+        set_console_backends(c.console)
+        yield c
+    finally:
+        if c.console.proc.poll() is None:
+            assert c.stop() == 0, c.console.log[-3000:]
+        left = serve_backends(c.console.data_dir)
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+    assert left == [], "backends left running after the console stopped"
+
+
 def serve_backends(data_dir: Path) -> list[int]:
     """Backend processes started for a console's data dir (their cwd is its log folder), any parent."""
     out = []

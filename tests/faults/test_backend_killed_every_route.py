@@ -16,8 +16,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.faults.conftest import FaultConsole, open_console, serve_backends
-from tests.serving.conftest import set_console_backends
+from tests.faults.conftest import FaultConsole, backends_console, serve_backends
 
 ENDLESS = "root ::= [a-z ] root"  # the tiny random model never reaches an end: exactly max_tokens tokens
 LONG = {"grammar": ENDLESS, "ignore_eos": True}
@@ -34,18 +33,7 @@ STREAMS = {
 
 @pytest.fixture(scope="module")
 def faults_console(tmp_path_factory) -> Iterator[FaultConsole]:
-    c = open_console(tmp_path_factory.mktemp("kill-every-route"),
-                     extra_env={"XGEN_USAGE_FLUSH": "1", "XGEN_RESTART_LIMIT": "20"})
-    try:
-        set_console_backends(c.console)
-        yield c
-    finally:
-        if c.console.proc.poll() is None:
-            assert c.stop() == 0, c.console.log[-3000:]
-        left = serve_backends(c.console.data_dir)
-        for pid in left:
-            os.kill(pid, signal.SIGKILL)
-    assert left == [], "backends left running after the console stopped"
+    yield from backends_console(tmp_path_factory.mktemp("kill-every-route"))
 
 
 def _load(c: FaultConsole, tiny_gguf, name: str, **fields) -> dict:

@@ -17,26 +17,14 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.faults.conftest import FaultConsole, backend_pids, open_console, serve_backends
-from tests.serving.conftest import set_console_backends
+from tests.faults.conftest import FaultConsole, backend_pids, backends_console, serve_backends
 
 ENDLESS = "root ::= [a-z ] root"  # the tiny random model streams exactly max_tokens tokens
 
 
 @pytest.fixture(scope="module")
 def console(tmp_path_factory) -> Iterator[FaultConsole]:
-    c = open_console(tmp_path_factory.mktemp("replicas"),
-                     extra_env={"XGEN_USAGE_FLUSH": "1", "XGEN_RESTART_LIMIT": "20"})
-    try:
-        set_console_backends(c.console)
-        yield c
-    finally:
-        if c.console.proc.poll() is None:
-            assert c.stop() == 0, c.console.log[-3000:]
-        left = serve_backends(c.console.data_dir)
-        for pid in left:
-            os.kill(pid, signal.SIGKILL)
-    assert left == [], "backends left running after the console stopped"
+    yield from backends_console(tmp_path_factory.mktemp("replicas"))
 
 
 def _holders(c: FaultConsole, model: str) -> list[dict]:
