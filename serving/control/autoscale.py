@@ -116,6 +116,8 @@ def hold_lease(holder: str, *, name: str = LEASE_NAME, ttl_s: float = LEASE_TTL_
     if ControllerLease.objects.filter(name=name).filter(Q(holder=holder) | Q(expires_at__lt=now)).update(
             holder=holder, expires_at=until):
         return True
+    if ControllerLease.objects.filter(name=name).exists():
+        return False  # another holder's, not expired: no insert to fail (PostgreSQL logs each duplicate key)
     try:
         with transaction.atomic():
             ControllerLease.objects.create(name=name, holder=holder, expires_at=until)

@@ -248,9 +248,12 @@ class Supervisor(AgentWorker):
         rest (autostart, on_demand and the others, below)."""
         try:
             # Stored first: from here no load, replica or relocation is placed on this node.
-            await _db(lambda: Node.objects.filter(name=agent.name).update(draining_since=timezone.now()))()
-            node = await _db(lambda: Node.objects.filter(name=agent.name).first())()
-            others = await _db(lambda: Node.placeable().exclude(name=agent.name).exists())()
+            # One trip to the database thread: the drain's first step (UNLOADING) waits on this.
+            def mark() -> tuple[Node | None, bool]:
+                Node.objects.filter(name=agent.name).update(draining_since=timezone.now())
+                return (Node.objects.filter(name=agent.name).first(),
+                        Node.placeable().exclude(name=agent.name).exists())
+            node, others = await _db(mark)()
             if node is None or not others:  # one node (the embedded mode): nowhere to move to
                 return
             moved = await _db(relocate)(node, why="draining (its agent got SIGTERM)", out_of_routing=False)

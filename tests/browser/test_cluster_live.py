@@ -33,10 +33,11 @@ def cluster(tmp_path_factory, s3_server) -> Iterator[Cluster]:
 
 def test_web_a_streams_the_log_of_a_load_on_node_b(cluster, page, tiny_gguf):
     cluster.manage("hub_upload", str(tiny_gguf), "--format", "gguf", "--name", "tiny-live")
-    # Stop agent B cleanly, record the load while its node still counts as online, open the page
-    # on web A, and only then start agent B: every log line must arrive live.
+    # Kill agent B, record the load while its node still counts as online, open the page on web A,
+    # and only then start agent B: every log line must arrive live. Killed, not stopped: a clean
+    # stop drains the node (issue 31), and a draining node takes no new load (409 node_draining).
     agent = cluster.agents.pop("node-b")
-    agent.proc.send_signal(signal.SIGTERM)
+    agent.proc.send_signal(signal.SIGKILL)
     agent.proc.wait(30)
     with cluster.api("b") as client:
         response = client.post("/api/management/load", json={

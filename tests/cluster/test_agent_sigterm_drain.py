@@ -87,11 +87,23 @@ def test_sigterm_lets_the_stream_in_flight_finish_then_stops_the_backend(tmp_pat
         stream = Stream(url, c.admin_key)
         assert stream.first.wait(60) and stream.status == 200, (stream.status, stream.error)
         agent.proc.send_signal(signal.SIGTERM)
-        # While it drains: a new request is not sent to the stopping backend.
-        time.sleep(0.5)  # the drain's first step (UNLOADING, pushed to the web) takes milliseconds
+        # While it drains: a new request is not sent to the stopping backend. The drain's first step
+        # (UNLOADING, stored, then pushed to the web) takes milliseconds on a quiet machine; a CI run
+        # on 2 busy cores took over 0.5 s, so wait for the state, not a fixed time.
+        deadline = time.monotonic() + 10
+        with c.api("a") as client:
+            while (state := client.get(f"/api/management/instances/{instance}").json()["state"]) == "READY":
+                assert time.monotonic() < deadline, "the agent never took the backend out of routing"
+                time.sleep(0.05)
+        assert state == "UNLOADING", state
         assert not stream.ended.is_set(), "the stream ended at once: the agent did not drain"
-        r = httpx.post(f"{url}/v1/chat/completions", headers=auth, timeout=60, json={
-            "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
+        deadline = time.monotonic() + 5  # the push from the agent, over Redis, to the web's routing
+        while True:
+            r = httpx.post(f"{url}/v1/chat/completions", headers=auth, timeout=60, json={
+                "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
+            if r.status_code != 200 or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
         assert r.status_code == 503 and r.json()["error"]["code"] == "no_backend", r.text
 
         assert stream.ended.wait(60)

@@ -24,6 +24,7 @@ def slapd(tmp_path_factory):
         "xgen-users": ["lara", "bob", "carl", "dora"],  # XGEN_LDAP_REQUIRE_GROUP
         "xgen-admins": ["lara"],
         "xgen-ops": ["bob", "dora"],
+        "xgen-ml": ["carl", "lara"],  # XGEN_SSO_GROUP_TEAMS, by DN (test_groups_map_to_teams...)
     }))
     yield server
     stop_process(server.proc, timeout=10)
@@ -94,6 +95,36 @@ def test_a_user_removed_from_groups_loses_the_role_then_the_session(client, ldap
     assert ApiKey.objects.get(pk=key.pk).revoked_at is not None
     # And the next sign-in is refused.
     assert sign_in(client, "dora", USERS["dora"]).status_code == 200
+
+
+def test_groups_map_to_teams_and_leaving_the_group_leaves_the_team(client, ldap_on, settings):
+    """XGEN_SSO_GROUP_TEAMS through LDAP (issue 26 #3): the directory's group (by DN, and by name)
+    puts the user in the team at sign-in; out of the group, the session's next check takes the
+    directory's membership away and leaves the one an admin gave in the console."""
+    from accounts.models import TeamMembership
+    from accounts.services import add_member, create_team
+
+    settings.SSO_GROUP_TEAMS = f'{{"cn=xgen-ml,{GROUPS}": "ml", "xgen-users": "everyone"}}'
+    ml, everyone, web = (create_team(name=n, slug=n) for n in ("ml", "everyone", "web"))
+    assert sign_in(client, "carl", USERS["carl"]).status_code == 302
+    carl = User.objects.get(username="carl")
+
+    def memberships() -> set[tuple[str, str]]:
+        return set(TeamMembership.objects.filter(user=carl).values_list("team__slug", "source"))
+
+    assert memberships() == {("ml", "idp"), ("everyone", "idp")}
+    assert AuditEvent.objects.get(action="team_sync", target="carl").detail["added"] == ["everyone", "ml"]
+    add_member(team=web, user=carl)  # given in the console
+    settings.SSO_RECHECK_S = 0  # every request looks carl up again
+    ldap_on.modify(f"dn: cn=xgen-ml,{GROUPS}\nchangetype: modify\ndelete: member\n"
+                   f"member: uid=carl,ou=people,{LDAP_BASE}\n")
+    try:
+        assert client.get("/").status_code == 200  # still in xgen-users: still signed in
+        assert memberships() == {("everyone", "idp"), ("web", "local")}
+        assert AuditEvent.objects.filter(action="team_sync", target="carl").latest("pk").detail["removed"] == ["ml"]
+    finally:
+        ldap_on.modify(f"dn: cn=xgen-ml,{GROUPS}\nchangetype: modify\nadd: member\n"
+                       f"member: uid=carl,ou=people,{LDAP_BASE}\n")
 
 
 def test_a_local_name_is_not_taken_over_by_the_directory(client, ldap_on):
