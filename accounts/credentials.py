@@ -74,6 +74,7 @@ class Principal:
     team: Principal | None = None
     # A team's GPU-seconds budget per UTC month (serving.proxy.gpu_budget enforces it); None: none.
     gpu_seconds_month: int | None = None
+    slug: str = ""  # a team principal's slug
 
     @property
     def team_id(self) -> int | None:
@@ -81,6 +82,13 @@ class Principal:
         if self.key_id < 0:
             return -self.key_id
         return self.team.team_id if self.team is not None else None
+
+    @property
+    def team_slug(self) -> str:
+        """The slug of team_id's team ("" for none)."""
+        if self.key_id < 0:
+            return self.slug
+        return self.team.slug if self.team is not None else ""
 
     def has_role(self, needed: str) -> bool:
         return ROLE_RANK[Role(self.role)] >= ROLE_RANK[Role(needed)]
@@ -224,7 +232,7 @@ def principal_for_team(team: Team) -> Principal:
         user_id=0, username=f"team:{team.slug}", role=Role.VIEWER, key_id=-team.pk, key_name=team.name,
         allowed_models=frozenset(team.allowed_models) if team.allowed_models else None,
         rpm=team.rpm, tpm=team.tpm, daily_tokens=team.daily_tokens, monthly_tokens=team.monthly_tokens,
-        scopes=frozenset(), gpu_seconds_month=team.gpu_seconds_month,
+        scopes=frozenset(), gpu_seconds_month=team.gpu_seconds_month, slug=team.slug,
     )
 
 

@@ -507,11 +507,17 @@ class UsageBucket(models.Model):
     prompt_tokens = models.BigIntegerField(default=0)
     completion_tokens = models.BigIntegerField(default=0)
     busy_seconds = models.FloatField(default=0.0, help_text="this key's share of the instance's busy time")
+    # The team that owned the key when the requests were made (a key moved to another team takes
+    # none of its past usage along): team usage, quotas, GPU-seconds and chargeback read these.
+    team_id = models.IntegerField(default=0, help_text="0: the key had no team")
+    team_slug = models.CharField(max_length=50, blank=True)
 
     class Meta:
         constraints = [models.UniqueConstraint(
-            fields=["bucket_start", "key_id", "username", "model", "instance_id", "node"], name="usage_bucket_unique")]
-        indexes = [models.Index(fields=["key_id", "bucket_start"]), models.Index(fields=["bucket_start"])]
+            fields=["bucket_start", "key_id", "username", "model", "instance_id", "node", "team_id"],
+            name="usage_bucket_unique_team")]
+        indexes = [models.Index(fields=["key_id", "bucket_start"]), models.Index(fields=["bucket_start"]),
+                   models.Index(fields=["team_id", "bucket_start"])]
 
 
 class RequestLog(models.Model):
@@ -539,10 +545,13 @@ class RequestLog(models.Model):
         max_length=8, default="engine",
         help_text="who counted the tokens: engine (its own usage), console (the engine's prompt count, "
                   "the events streamed)")
+    team_id = models.IntegerField(default=0, help_text="the team that owned the key then; 0: none")
+    team_slug = models.CharField(max_length=50, blank=True)
 
     class Meta:
         ordering = ["-at", "-pk"]
-        indexes = [models.Index(fields=["key_id", "at"]), models.Index(fields=["model", "at"])]
+        indexes = [models.Index(fields=["key_id", "at"]), models.Index(fields=["model", "at"]),
+                   models.Index(fields=["team_id", "at"])]
 
 
 class UsageJournalSegment(models.Model):

@@ -105,45 +105,29 @@ def _instances(start: datetime, end: datetime, ids: set[int]) -> dict[int, Insta
 
 
 def chargeback(*, start: datetime, end: datetime, group_by: str = "key", per_hour: bool = False,
-               key_ids: set[int] | None = None) -> dict:
-    """GPU-seconds over [start, end) per key, user or team (the team that owns each key now; None: no
-    team) and idle per instance, with each one's share of the total; `per_hour` adds the series per
-    hour (for charts); `key_ids`: only these keys' items (a team lead's view: no idle list, which is
-    every tenant's). The range is widened to whole hours (busy seconds are kept per hour); READY time
-    counts up to now."""
+               team_ids: set[int] | None = None) -> dict:
+    """GPU-seconds over [start, end) per key, user or team (the team that owned the key when it was
+    used; None: no team) and idle per instance, with each one's share of the total; `per_hour` adds
+    the series per hour (for charts); `team_ids`: only what these teams' keys used while the teams
+    owned them (a team lead's view: no idle list, which is every tenant's; shares stay of the whole).
+    The range is widened to whole hours (busy seconds are kept per hour); READY time counts up to now."""
     from serving.models import UsageBucket
-    from serving.proxy.usage import key_teams, whole_buckets
+    from serving.proxy.usage import whole_buckets
 
-    if group_by == "team" or key_ids is not None:
-        out = chargeback(start=start, end=end, group_by="key", per_hour=per_hour)
-        items = [i for i in out["items"] if key_ids is None or i["key_id"] in key_ids]
-        if key_ids is not None:
-            out["idle"] = []
-            if per_hour:
-                out["series"] = {h: {w: v for w, v in per.items() if w in key_ids} for h, per in out["series"].items()}
-        if group_by == "team":
-            owners = key_teams({i["key_id"] for i in items})
-            teams: dict = {}
-            for i in items:
-                team_id, slug = owners.get(i["key_id"], (None, None))
-                t = teams.setdefault(slug, {"team_id": team_id, "team": slug, "gpu_seconds": 0.0,
-                                            "busy_seconds": 0.0, "share": 0.0})
-                for f in ("gpu_seconds", "busy_seconds", "share"):
-                    t[f] = round(t[f] + i[f], 6)
-            items = sorted(teams.values(), key=lambda t: -t["gpu_seconds"])
-            out["group_by"] = "team"
-        out["items"] = items
-        return out
     start, end = whole_buckets(start, end)
 
-    who_fields = ("key_id", "key_name") if group_by == "key" else ("username",)
+    primary = {"key": "key_id", "user": "username", "team": "team_id"}[group_by]
+    # Each hour's split runs over (who, team) pairs: the split is linear in busy seconds, so folding
+    # the pairs afterwards gives each key, user or team what a split by it would.
     busy: dict[tuple[int, int], dict] = defaultdict(lambda: defaultdict(float))  # (hour, instance) -> who -> s
-    names: dict[int, str] = {}
+    names: dict = {}
     for row in (UsageBucket.objects.filter(bucket_start__gte=start, bucket_start__lt=end)
-                .order_by("bucket_start").values("bucket_start", "instance_id", "busy_seconds", *who_fields)):
-        who = row["key_id"] if group_by == "key" else row["username"]
-        if group_by == "key" and row["key_name"]:
-            names[row["key_id"]] = row["key_name"]
+                .order_by("bucket_start").values("bucket_start", "instance_id", "busy_seconds", "key_id", "key_name",
+                                                 "username", "team_id", "team_slug")):
+        who = (row[primary], row["team_id"])
+        name = row["key_name"] if group_by == "key" else (row["team_slug"] if group_by == "team" else "")
+        if name:
+            names[row[primary]] = name
         busy[(int(row["bucket_start"].timestamp()), row["instance_id"])][who] += row["busy_seconds"]
     instances = _instances(start, end, {iid for _, iid in busy})
     ready: dict[tuple[int, int], float] = {}
@@ -176,13 +160,27 @@ def chargeback(*, start: datetime, end: datetime, group_by: str = "key", per_hou
     def share(v: float) -> float:
         return round(v / total, 6) if total > 0 else 0.0
 
+    def kept(pair: tuple) -> bool:
+        return team_ids is None or pair[1] in team_ids
+
+    folded: dict = defaultdict(float)
+    folded_busy: dict = defaultdict(float)
+    for pair, gs in charged.items():
+        if kept(pair):
+            folded[pair[0]] += gs
+            folded_busy[pair[0]] += busy_total[pair]
     items = []
-    for who, gs in sorted(charged.items(), key=lambda kv: -kv[1]):
-        item = ({"key_id": who, "key_name": names.get(who, "")} if group_by == "key" else {"user": who})
-        item.update(gpu_seconds=round(gs, 3), busy_seconds=round(busy_total[who], 3), share=share(gs))
+    for who, gs in sorted(folded.items(), key=lambda kv: -kv[1]):
+        if group_by == "key":
+            item = {"key_id": who, "key_name": names.get(who, "")}
+        elif group_by == "team":
+            item = {"team_id": who or None, "team": names.get(who) or None}
+        else:
+            item = {"user": who}
+        item.update(gpu_seconds=round(gs, 3), busy_seconds=round(folded_busy[who], 3), share=share(gs))
         items.append(item)
     idle_items = []
-    for iid, gs in sorted(idle.items(), key=lambda kv: -kv[1]):
+    for iid, gs in sorted(idle.items() if team_ids is None else (), key=lambda kv: -kv[1]):
         info = instances.get(iid)
         if info is None and gs <= 0:
             continue  # an instance gone from the database, with nothing to report
@@ -191,6 +189,16 @@ def chargeback(*, start: datetime, end: datetime, group_by: str = "key", per_hou
     out = {"from": start, "to": end, "group_by": group_by, "total_gpu_seconds": round(total, 3), "items": items,
            "idle": idle_items}
     if per_hour:
-        out["series"] = {h: dict(v) for h, v in sorted(series.items())}
+        hours: dict[int, dict] = {}
+        for h, per in sorted(series.items()):
+            per_who: dict = defaultdict(float)
+            for w, gs in per.items():
+                if w == "(idle)":
+                    if team_ids is None:
+                        per_who[w] += gs
+                elif kept(w):
+                    per_who[w[0]] += gs
+            hours[h] = dict(per_who)
+        out["series"] = hours
     return out
 

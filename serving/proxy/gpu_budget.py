@@ -43,40 +43,36 @@ SETTLED_REFRESH_S = 600.0
 
 @dataclass
 class Settled:
-    """GPU-seconds per key over [month start, until): the part of the month that no longer changes."""
+    """GPU-seconds per team over [month start, until): the part of the month that no longer changes."""
 
     month_start: datetime
     until: datetime
     read_at: float  # monotonic
-    per_key: dict[int, float]
+    per_team: dict[int, float]  # team id -> GPU-seconds
 
 
-def _per_key(start: datetime, end: datetime) -> dict[int, float]:
+def _per_team(start: datetime, end: datetime) -> dict[int, float]:
     from serving.proxy.chargeback import chargeback
 
     if end <= start:
         return {}
-    return {i["key_id"]: i["gpu_seconds"] for i in chargeback(start=start, end=end, group_by="key")["items"]}
+    return {i["team_id"]: i["gpu_seconds"] for i in chargeback(start=start, end=end, group_by="team")["items"]
+            if i["team_id"]}
 
 
 def read_team_gpu_seconds(now_s: float, settled: Settled | None = None) -> tuple[dict[int, float], Settled]:
-    """Every team's GPU-seconds from the start of now's UTC month to now: chargeback by team (the
-    keys each team owns now), summed from the settled hours (`settled`, read again when stale) and
+    """Every team's GPU-seconds from the start of now's UTC month to now: chargeback by team (what
+    its keys used while it owned them), summed from the settled hours (`settled`, read again when stale) and
     the recent ones. Returns the figures and the settled part to hand back next time."""
-    from serving.proxy.usage import key_teams
-
     month_start = period_starts(now_s)[1]
     cut = max(month_start, datetime.fromtimestamp((now_s // 3600) * 3600 - SETTLED_AFTER_S, tz=UTC))
     if (settled is None or settled.month_start != month_start or settled.until != cut
             or time.monotonic() - settled.read_at > SETTLED_REFRESH_S):
         settled = Settled(month_start=month_start, until=cut, read_at=time.monotonic(),
-                          per_key=_per_key(month_start, cut))
-    per_key = dict(settled.per_key)
-    for key_id, gs in _per_key(cut, datetime.fromtimestamp(now_s + 1, tz=UTC)).items():
-        per_key[key_id] = per_key.get(key_id, 0.0) + gs
-    teams: dict[int, float] = {}
-    for key_id, (team_id, _) in key_teams(per_key).items():
-        teams[team_id] = round(teams.get(team_id, 0.0) + per_key[key_id], 6)
+                          per_team=_per_team(month_start, cut))
+    teams = dict(settled.per_team)
+    for team_id, gs in _per_team(cut, datetime.fromtimestamp(now_s + 1, tz=UTC)).items():
+        teams[team_id] = round(teams.get(team_id, 0.0) + gs, 6)
     return teams, settled
 
 

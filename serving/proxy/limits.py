@@ -229,11 +229,11 @@ class RateLimiter:
             asyncio.get_running_loop().create_task(self._reseed(p, period, since))
             return cached[0]
         try:
-            used, key_ids = await run_db(tokens_used, p.key_id, since)
+            used = await run_db(tokens_used, p.key_id, since)
         except Exception as exc:
             log.warning("token quota of %s not checked: its usage could not be read (%s)", _who(p), exc)
             return None
-        used += recorder.pending_tokens(key_ids, since.timestamp())
+        used += recorder.pending_tokens(p.key_id, since.timestamp())
         self._seeds[(p.key_id, period)] = (used, time.monotonic())
         return used
 
@@ -242,8 +242,8 @@ class RateLimiter:
 
         self._seeds[(p.key_id, period)] = (self._seeds[(p.key_id, period)][0], time.monotonic())
         with contextlib.suppress(Exception):
-            used, key_ids = await run_db(tokens_used, p.key_id, since)
-            used += recorder.pending_tokens(key_ids, since.timestamp())
+            used = await run_db(tokens_used, p.key_id, since)
+            used += recorder.pending_tokens(p.key_id, since.timestamp())
             self._seeds[(p.key_id, period)] = (used, time.monotonic())
 
 

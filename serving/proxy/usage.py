@@ -47,9 +47,11 @@ REQUEST_ROWS_MAX = 50_000  # rows held while the database is down; the oldest go
 # 13): the frozen start-up heap did (xgenconsole/asgi.py).
 ROW_FIELDS = ("at", "request_id", "key_id", "key_name", "username", "model", "instance_id", "node", "status",
               "error", "ttft_ms", "duration_ms", "prompt_tokens", "completion_tokens", "stream", "client",
-              "client_request_id", "usage_source")
+              "client_request_id", "usage_source", "team_id", "team_slug")
+# A journal record written before the rows named their team (0.3 before the team fields) is 2 shorter.
+ROW_FIELDS_BEFORE_TEAMS = len(ROW_FIELDS) - 2
 GROUPS = {"key": ("key_id", "key_name"), "user": ("username",), "model": ("model",), "node": ("node",),
-          "instance": ("instance_id", "model", "node")}
+          "instance": ("instance_id", "model", "node"), "team": ("team_id", "team_slug")}
 
 
 @dataclass(eq=False)
@@ -81,6 +83,7 @@ class RequestContext:
 @dataclass
 class _Counts:
     key_name: str = ""
+    team_slug: str = ""
     requests: int = 0
     errors: int = 0
     prompt_tokens: int = 0
@@ -89,6 +92,7 @@ class _Counts:
 
     def add(self, other: _Counts) -> None:
         self.key_name = other.key_name or self.key_name
+        self.team_slug = other.team_slug or self.team_slug
         self.requests += other.requests
         self.errors += other.errors
         self.prompt_tokens += other.prompt_tokens
@@ -130,7 +134,7 @@ def hour_of(epoch: float) -> int:
     return int(epoch // 3600 * 3600)
 
 
-BucketKey = tuple[int, int, str, str, int, str]  # hour, key_id, username, model, instance_id, node
+BucketKey = tuple[int, int, str, str, int, str, int]  # hour, key_id, username, model, instance_id, node, team_id
 _UNSET = object()  # the process recorder's journal before its first record
 _dumps = json.JSONEncoder(separators=(",", ":")).encode
 
@@ -138,11 +142,12 @@ _dumps = json.JSONEncoder(separators=(",", ":")).encode
 def _count(buckets: dict[BucketKey, _Counts], row: tuple, hour: int, bucket_instance_id: int, failed: bool,
            busy_s: float) -> None:
     """Add one request (its request-log row) to its hour's bucket."""
-    bucket = (hour, row[2], row[4], row[5], bucket_instance_id, row[7])
+    bucket = (hour, row[2], row[4], row[5], bucket_instance_id, row[7], row[18])
     counts = buckets.get(bucket)
     if counts is None:
         counts = buckets[bucket] = _Counts()
     counts.key_name = row[3]
+    counts.team_slug = row[19]
     counts.requests += 1
     counts.errors += int(failed)
     counts.prompt_tokens += row[12]
@@ -224,6 +229,7 @@ class UsageRecorder:
             round(ttft_s * 1000, 2) if ttft_s is not None else None,
             round(((time.perf_counter() if ended is None else ended) - ctx.t0) * 1000, 2), prompt_tokens,
             completion_tokens, ctx.stream, ctx.client[:64], ctx.client_request_id, usage_source,
+            (p.team_id or 0) if p else 0, p.team_slug if p else "",
         )
 
     def _add(self, row: tuple, hour: int, bucket_instance_id: int, *, failed: bool, busy_s: float) -> None:
@@ -251,13 +257,13 @@ class UsageRecorder:
                                  if self._journal_from_settings and settings.USAGE_JOURNAL else None)
             return self._journal if isinstance(self._journal, UsageJournal) else None
 
-    def pending_tokens(self, key_ids: int | Collection[int], since: float) -> int:
-        """Tokens of `key_ids` (one id or several: a team's keys) counted here since `since` (epoch)
-        and not written yet."""
-        ids = {key_ids} if isinstance(key_ids, int) else set(key_ids)
+    def pending_tokens(self, key_id: int, since: float) -> int:
+        """Tokens of a key (or a team: key id -team id, what its keys used while it owned them)
+        counted here since `since` (epoch) and not written yet."""
+        column, wanted = (6, -key_id) if key_id < 0 else (1, key_id)
         with self._lock:
             return sum(c.prompt_tokens + c.completion_tokens for b, c in self._buckets.items()
-                       if b[1] in ids and b[0] >= hour_of(since))
+                       if b[column] == wanted and b[0] >= hour_of(since))
 
     # ------------------------------------------------------------ writing, off the request path
     def ensure_started(self) -> None:
@@ -387,21 +393,22 @@ def _write_in_transaction(buckets: dict[BucketKey, _Counts], rows: list[tuple],
         # again with the same names, as it was before the journal; it must not stick on them)
         UsageJournalSegment.objects.bulk_create([UsageJournalSegment(name=name) for name in segments],
                                                 ignore_conflicts=True)
-    for (hour, key_id, username, model, instance_id, node), c in buckets.items():
+    for (hour, key_id, username, model, instance_id, node, team_id), c in buckets.items():
         where = {"bucket_start": datetime.fromtimestamp(hour, tz=UTC), "key_id": key_id, "username": username,
-                 "model": model, "instance_id": instance_id, "node": node}
+                 "model": model, "instance_id": instance_id, "node": node, "team_id": team_id}
         increments = {
             "requests": F("requests") + c.requests, "errors": F("errors") + c.errors,
             "prompt_tokens": F("prompt_tokens") + c.prompt_tokens,
             "completion_tokens": F("completion_tokens") + c.completion_tokens,
             "busy_seconds": F("busy_seconds") + c.busy_seconds, "key_name": c.key_name,
+            "team_slug": c.team_slug,
         }
         if UsageBucket.objects.filter(**where).update(**increments):
             continue
         try:
             with transaction.atomic():
                 UsageBucket.objects.create(
-                    **where, key_name=c.key_name, requests=c.requests, errors=c.errors,
+                    **where, key_name=c.key_name, team_slug=c.team_slug, requests=c.requests, errors=c.errors,
                     prompt_tokens=c.prompt_tokens, completion_tokens=c.completion_tokens,
                     busy_seconds=c.busy_seconds)
         except IntegrityError:  # another web process created it just now
@@ -472,6 +479,8 @@ def _replay_segment(name: str, records: list[list]) -> int:
     buckets: dict[BucketKey, _Counts] = {}
     rows: list[tuple] = []
     for record in records:
+        if len(record) == ROW_FIELDS_BEFORE_TEAMS + 4:  # written by the version before (no team fields)
+            record = [*record[:ROW_FIELDS_BEFORE_TEAMS], *_team_of_key(record[2]), *record[ROW_FIELDS_BEFORE_TEAMS:]]
         if len(record) != len(ROW_FIELDS) + 4:
             log.warning("usage journal %s: a record of %d fields, not %d: skipped", name, len(record),
                         len(ROW_FIELDS) + 4)
@@ -486,6 +495,16 @@ def _replay_segment(name: str, records: list[list]) -> int:
         if rows:
             _write_in_transaction(buckets, rows, None, [name])
     return len(rows)
+
+
+def _team_of_key(key_id: int) -> tuple[int, str]:
+    """(team id, slug) of the team that owns a key now, (0, "") for none: what a journal record of
+    the version before the team fields is charged to (the team it would have been read under)."""
+    from accounts.models import ApiKey
+
+    found = ApiKey.objects.filter(pk=key_id, team__isnull=False).values_list("team_id", "team__slug").first() \
+        if key_id else None
+    return (found[0], found[1]) if found else (0, "")
 
 
 def prune_journal_segments(*, days: int | None = None) -> int:
@@ -510,40 +529,17 @@ def whole_buckets(start: datetime, end: datetime, *, day: bool = False) -> tuple
     return datetime.fromtimestamp(s, tz=UTC), datetime.fromtimestamp(e, tz=UTC)
 
 
-def key_ids_of(key_id: int) -> list[int]:
-    """The keys whose usage a limiter's principal counts: itself, or for a team (key id -team id)
-    every key the team owns now."""
-    if key_id >= 0:
-        return [key_id]
-    from accounts.models import ApiKey
-
-    return list(ApiKey.objects.filter(team_id=-key_id).values_list("pk", flat=True))
-
-
-def tokens_used(key_id: int, since: datetime) -> tuple[int, list[int]]:
-    """Prompt + completion tokens of a key (or a team: key id -team id, all its keys) written since
-    `since` (an hour boundary), and the key ids counted."""
+def tokens_used(key_id: int, since: datetime) -> int:
+    """Prompt + completion tokens of a key (or a team: key id -team id, what its keys used while
+    the team owned them) written since `since` (an hour boundary)."""
     from django.db.models import Sum
 
     from serving.models import UsageBucket
 
-    key_ids = key_ids_of(key_id)
-    if not key_ids:
-        return 0, []
-    totals = UsageBucket.objects.filter(key_id__in=key_ids, bucket_start__gte=since).aggregate(
+    where = {"team_id": -key_id} if key_id < 0 else {"key_id": key_id}
+    totals = UsageBucket.objects.filter(**where, bucket_start__gte=since).aggregate(
         p=Sum("prompt_tokens"), c=Sum("completion_tokens"))
-    return int(totals["p"] or 0) + int(totals["c"] or 0), key_ids
-
-
-def key_teams(key_ids: Collection[int] | None = None) -> dict[int, tuple[int, str]]:
-    """key id -> (team id, team slug) of the keys a team owns now (usage is kept per key: a team's
-    usage is that of the keys it owns)."""
-    from accounts.models import ApiKey
-
-    qs = ApiKey.objects.filter(team__isnull=False)
-    if key_ids is not None:
-        qs = qs.filter(pk__in=list(key_ids))
-    return {k: (t, slug) for k, t, slug in qs.values_list("pk", "team_id", "team__slug")}
+    return int(totals["p"] or 0) + int(totals["c"] or 0)
 
 
 USAGE_SUMS = ("requests", "errors", "prompt_tokens", "completion_tokens", "busy_seconds")
@@ -551,50 +547,42 @@ USAGE_SUMS = ("requests", "errors", "prompt_tokens", "completion_tokens", "busy_
 
 def usage_rows(*, start: datetime, end: datetime, group_by: str, bucket: str, key_id: int | None = None,
                model: str | None = None, models: frozenset[str] | None = None,
-               key_ids: Collection[int] | None = None) -> list[dict]:
+               team_ids: Collection[int] | None = None) -> list[dict]:
     """Usage summed per `bucket` (hour | day) and `group_by` (key | user | model | node | instance |
-    team) over [start, end), oldest first; `models`: only theirs (a key's allowed_models); `key_ids`:
-    only these keys' (a team's)."""
+    team: the team that owned the key when it was used; None: no team) over [start, end), oldest
+    first; `models`: only theirs (a key's allowed_models); `team_ids`: only what these teams' keys
+    used while the teams owned them."""
     from django.db.models import F, Sum
     from django.db.models.functions import TruncDay
 
     from serving.models import UsageBucket
 
-    if group_by == "team":  # the keys' rows folded by the team that owns each key now (None: no team)
-        by_key = usage_rows(start=start, end=end, group_by="key", bucket=bucket, key_id=key_id, model=model,
-                            models=models, key_ids=key_ids)
-        owners = key_teams({r["key_id"] for r in by_key})
-        folded: dict[tuple, dict] = {}
-        for r in by_key:
-            team_id, slug = owners.get(r["key_id"], (None, None))
-            item = folded.setdefault((r["bucket_start"], slug or ""), {
-                "bucket_start": r["bucket_start"], "team_id": team_id, "team": slug, **dict.fromkeys(USAGE_SUMS, 0)})
-            for f in USAGE_SUMS:
-                item[f] += r[f]
-        return [folded[k] for k in sorted(folded)]
     fields = GROUPS[group_by]
     start, end = whole_buckets(start, end, day=bucket == "day")
     qs = UsageBucket.objects.filter(bucket_start__gte=start, bucket_start__lt=end)
     if key_id is not None:
         qs = qs.filter(key_id=key_id)
-    if key_ids is not None:
-        qs = qs.filter(key_id__in=sorted(key_ids))
+    if team_ids is not None:
+        qs = qs.filter(team_id__in=sorted(team_ids))
     if model:
         qs = qs.filter(model=model)
     if models is not None:
         qs = qs.filter(model__in=sorted(models))
     qs = qs.annotate(b=TruncDay("bucket_start", tzinfo=UTC) if bucket == "day" else F("bucket_start"))
-    group = [f for f in fields if f != "key_name"]
+    group = [f for f in fields if f not in ("key_name", "team_slug")]
     rows = (qs.values("b", *group)
             .annotate(requests=Sum("requests"), errors=Sum("errors"), prompt_tokens=Sum("prompt_tokens"),
                       completion_tokens=Sum("completion_tokens"), busy_seconds=Sum("busy_seconds"))
             .order_by("b", *group))
-    names = _key_names(qs) if group_by == "key" else {}
+    names = _key_names(qs) if group_by == "key" else (_team_names(qs) if group_by == "team" else {})
     out = []
     for r in rows:
         item = {"bucket_start": r["b"], **{f: r[f] for f in group}}
         if group_by == "key":
             item["key_name"] = names.get(r["key_id"], "")
+        if group_by == "team":
+            item["team"] = names.get(r["team_id"]) or None
+            item["team_id"] = r["team_id"] or None
         if "username" in item:
             item["user"] = item.pop("username")
         item.update(requests=r["requests"] or 0, errors=r["errors"] or 0, prompt_tokens=r["prompt_tokens"] or 0,
@@ -613,17 +601,22 @@ def _key_names(qs) -> dict[int, str]:
     return names
 
 
+def _team_names(qs) -> dict[int, str]:
+    """team_id -> its slug in the rows (a deleted team's stays)."""
+    return dict(qs.exclude(team_id=0).order_by("bucket_start").values_list("team_id", "team_slug"))
+
+
 def request_rows(*, key: str | None = None, model: str | None = None, status: int | None = None,
                  request_id: str | None = None, before: int | None = None, limit: int = 100,
-                 models: frozenset[str] | None = None, key_ids: Collection[int] | None = None) -> list[dict]:
+                 models: frozenset[str] | None = None, team_ids: Collection[int] | None = None) -> list[dict]:
     """The request log, newest first; `key` is a key id or a key name; `request_id` the console's
-    id of a request or the caller's own (X-Request-ID); `key_ids`: only these keys' rows (a team's).
-    Each row names the team that owns its key now."""
+    id of a request or the caller's own (X-Request-ID); `team_ids`: only the rows of these teams'
+    keys while the teams owned them. Each row names the team that owned its key then."""
     from serving.models import RequestLog
 
     qs = RequestLog.objects.all()
-    if key_ids is not None:
-        qs = qs.filter(key_id__in=sorted(key_ids))
+    if team_ids is not None:
+        qs = qs.filter(team_id__in=sorted(team_ids))
     if key:
         from accounts.query import ascii_int
 
@@ -642,10 +635,9 @@ def request_rows(*, key: str | None = None, model: str | None = None, status: in
     if before is not None:
         qs = qs.filter(pk__lt=before)
     page = list(qs.order_by("-pk")[:limit])
-    owners = key_teams({r.key_id for r in page if r.key_id}) if page else {}
     return [
         {"id": r.pk, "time": r.at, "request_id": r.request_id, "key_id": r.key_id or None, "key_name": r.key_name,
-         "team": owners.get(r.key_id, (None, None))[1],
+         "team": r.team_slug or None,
          "user": r.username, "model": r.model, "instance_id": r.instance_id, "node": r.node, "status": r.status,
          "error": r.error or None, "ttft_ms": r.ttft_ms, "duration_ms": r.duration_ms,
          "prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens, "stream": r.stream,

@@ -82,11 +82,9 @@ def _team_for(request: HttpRequest, team_id: int) -> Team:
 
 
 def used_models(team: Team, *, since: datetime, until: datetime) -> set[str]:
-    """The models the team's keys used in [since, until)."""
-    key_ids = set(team.api_keys.values_list("pk", flat=True))
-    if not key_ids:
-        return set()
-    return {r["model"] for r in usage_rows(start=since, end=until, group_by="model", bucket="day", key_ids=key_ids)}
+    """The models the team's keys used in [since, until) while the team owned them."""
+    return {r["model"] for r in usage_rows(start=since, end=until, group_by="model", bucket="day",
+                                           team_ids={team.pk})}
 
 
 def lead_visible_instances(user: User) -> set[int] | None:
@@ -126,8 +124,7 @@ def team_detail(request: HttpRequest, team_id: int) -> HttpResponse:
         return _team_post(request, team, admin=admin)
     now = datetime.now(tz=UTC)
     month = now.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
-    key_ids = set(team.api_keys.values_list("pk", flat=True))
-    rows = usage_rows(start=month, end=now + timedelta(seconds=1), group_by="key", bucket="day", key_ids=key_ids)
+    rows = usage_rows(start=month, end=now + timedelta(seconds=1), group_by="key", bucket="day", team_ids={team.pk})
     days = sorted({r["bucket_start"] for r in rows})
     index = {d: i for i, d in enumerate(days)}
     series: dict[str, list[float]] = defaultdict(lambda: [0.0] * len(days))
@@ -139,7 +136,7 @@ def team_detail(request: HttpRequest, team_id: int) -> HttpResponse:
         requests += r["requests"]
     chart = stacked_bars(label="Tokens per key this month", labels=[d.strftime("%m-%d") for d in days],
                          series=dict(series), unit="tokens", chart_id="chart-team-tokens") if days else ""
-    charge = chargeback(start=month, end=now + timedelta(seconds=1), group_by="key", key_ids=key_ids)
+    charge = chargeback(start=month, end=now + timedelta(seconds=1), group_by="key", team_ids={team.pk})
     gpu_seconds = round(sum(i["gpu_seconds"] for i in charge["items"]), 1)
     budget = team.gpu_seconds_month
     # The proxy's figure is this one (serving.proxy.gpu_budget), read every XGEN_TEAM_GPU_BUDGET_REFRESH_S.

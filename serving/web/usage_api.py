@@ -1,6 +1,6 @@
 """Usage, chargeback and the request log (mounted at /api/usage and /api/requests; viewer+), by key,
-user, model, node or team (`team=` a slug narrows any of them to the keys the team owns; a team lead
-below operator reads its teams' only)."""
+user, model, node or team (`team=` a slug narrows any of them to what the team's keys used while the
+team owned them; a team lead below operator reads its teams' only)."""
 from __future__ import annotations
 
 from datetime import UTC, datetime, time, timedelta
@@ -12,7 +12,7 @@ from ninja import Field, Query, Router, Schema
 
 from accounts.auth import api_auth, visible_models
 from accounts.errors import ApiError
-from accounts.models import ApiKey, Team
+from accounts.models import Team
 from accounts.spreadsheet import csv_text
 from serving.proxy.chargeback import chargeback
 from serving.proxy.usage import request_rows, usage_rows
@@ -57,10 +57,11 @@ def time_range(start: str | None, end: str | None, *, default: timedelta = timed
     return since, to
 
 
-def team_keys(request: HttpRequest, team: str | None) -> set[int] | None:
-    """The keys whose rows a call reads: those of `team` (a slug) if named, and a team lead's reads
-    (below operator) are held to the teams it leads whatever it asks; None: every key. A team the
-    caller may not read answers 404, as one that does not exist."""
+def team_scope(request: HttpRequest, team: str | None) -> set[int] | None:
+    """The teams whose rows a call reads (rows name the team that owned the key when it was used):
+    `team` (a slug) if named, and a team lead's reads (below operator) are held to the teams it
+    leads whatever it asks; None: every row. A team the caller may not read answers 404, as one
+    that does not exist."""
     user = getattr(request, "auth", None) or request.user
     scope = user.team_scope()
     team_ids = scope
@@ -69,9 +70,7 @@ def team_keys(request: HttpRequest, team: str | None) -> set[int] | None:
         if found is None or (scope is not None and found not in scope):
             raise ApiError(404, f"No team {team!r}.", code="team_not_found")
         team_ids = {found}
-    if team_ids is None:
-        return None
-    return set(ApiKey.objects.filter(team_id__in=team_ids).values_list("pk", flat=True))
+    return None if team_ids is None else set(team_ids)
 
 
 class UsageQuery(Schema):
@@ -82,7 +81,7 @@ class UsageQuery(Schema):
     format: Literal["json", "csv"] = "json"
     key: int | None = Field(None, ge=0, description="only this key id")
     model: str | None = Field(None, max_length=255)
-    team: str | None = Field(None, max_length=50, description="only the keys this team (a slug) owns")
+    team: str | None = Field(None, max_length=50, description="only what this team's (a slug) keys used while it owned them")
 
 
 class UsageItem(Schema):
@@ -111,7 +110,7 @@ def usage(request: HttpRequest, query: Query[UsageQuery]):
     (at least every XGEN_USAGE_FLUSH seconds). `format=csv` answers text/csv."""
     start, end = time_range(query.start, query.end)
     rows = usage_rows(start=start, end=end, group_by=query.group_by, bucket=query.bucket, key_id=query.key,
-                      model=query.model, models=visible_models(request), key_ids=team_keys(request, query.team))
+                      model=query.model, models=visible_models(request), team_ids=team_scope(request, query.team))
     if query.format == "csv":
         fields = [f for f in CSV_FIELDS if any(f in r for r in rows)] or CSV_FIELDS
         text = csv_text(fields, ({**row, "bucket_start": row["bucket_start"].isoformat()} for row in rows))
@@ -126,7 +125,7 @@ class ChargebackQuery(Schema):
     start: str | None = Field(None, alias="from")
     end: str | None = Field(None, alias="to")
     group_by: Literal["key", "user", "team"] = "key"
-    team: str | None = Field(None, max_length=50, description="only the keys this team (a slug) owns")
+    team: str | None = Field(None, max_length=50, description="only what this team's (a slug) keys used while it owned them")
 
 
 class ChargeItem(Schema):
@@ -168,10 +167,10 @@ def usage_chargeback(request: HttpRequest, query: Query[ChargebackQuery]):
         raise ApiError(403, "Chargeback covers every key and instance: a key with allowed_models cannot read it.",
                        code="model_limited_key")
     start, end = time_range(query.start, query.end)
-    keys = team_keys(request, query.team)
-    if keys is not None and query.group_by == "user":
+    teams = team_scope(request, query.team)
+    if teams is not None and query.group_by == "user":
         raise ApiError(400, "A team's chargeback is by key or team.", code="invalid_request")
-    return chargeback(start=start, end=end, group_by=query.group_by, key_ids=keys)
+    return chargeback(start=start, end=end, group_by=query.group_by, team_ids=teams)
 
 
 class RequestsQuery(Schema):
@@ -181,7 +180,7 @@ class RequestsQuery(Schema):
     request_id: str | None = Field(None, max_length=128, description="the console's id or the caller's X-Request-ID")
     before: int | None = Field(None, ge=1, description="only rows with a smaller id (older pages)")
     limit: int = Field(100, ge=1, le=1000)
-    team: str | None = Field(None, max_length=50, description="only the keys this team (a slug) owns")
+    team: str | None = Field(None, max_length=50, description="only what this team's (a slug) keys used while it owned them")
 
 
 class RequestItem(Schema):
@@ -190,7 +189,7 @@ class RequestItem(Schema):
     request_id: str
     key_id: int | None
     key_name: str
-    team: str | None = Field(None, description="the team that owns the key now")
+    team: str | None = Field(None, description="the team that owned the key when the request was made")
     user: str
     model: str
     instance_id: int | None
@@ -219,7 +218,7 @@ def requests_log(request: HttpRequest, query: Query[RequestsQuery]):
     models = visible_models(request)
     rows = request_rows(key=query.key, model=query.model, status=query.status, request_id=query.request_id,
                         before=query.before, limit=query.limit, models=models,
-                        key_ids=team_keys(request, query.team))
+                        team_ids=team_scope(request, query.team))
     if models is not None:
         for row in rows:
             if row["user"] != request.user.username:

@@ -15,8 +15,8 @@ from accounts.errors import ApiError
 from accounts.query import query_int
 from history.charts import stacked_bars
 from serving.proxy.chargeback import chargeback
-from serving.proxy.usage import key_teams, request_rows, usage_rows
-from serving.web.usage_api import team_keys, time_range
+from serving.proxy.usage import request_rows, usage_rows
+from serving.web.usage_api import team_scope, time_range
 
 QUICK_RANGES = {"24h": timedelta(days=1), "7d": timedelta(days=7), "30d": timedelta(days=30)}
 MAX_BARS = 24 * 31
@@ -48,10 +48,11 @@ def _team_label(row: dict) -> str:
     return row.get("team") or "(no team)"
 
 
-def _team_keys(request: HttpRequest, team: str) -> set[int] | None:
-    """The keys a page shows (a team's, or a team lead's teams'); 404 for a team not readable."""
+def _team_scope(request: HttpRequest, team: str) -> set[int] | None:
+    """The teams whose rows a page shows (a team's, or a team lead's teams'; None: all); 404 for a
+    team not readable."""
     try:
-        return team_keys(request, team or None)
+        return team_scope(request, team or None)
     except ApiError as exc:
         raise Http404(str(exc)) from None
 
@@ -73,7 +74,7 @@ def usage_page(request: HttpRequest) -> HttpResponse:
     quick = request.GET.get("range", "")
     group = request.GET.get("group", "key") if request.GET.get("group") in ("key", "user", "team") else "key"
     team = request.GET.get("team", "").strip()[:50]
-    key_ids = _team_keys(request, team)
+    team_ids = _team_scope(request, team)
     try:
         if quick in QUICK_RANGES:
             start, end = time_range(None, None, default=QUICK_RANGES[quick])
@@ -90,13 +91,13 @@ def usage_page(request: HttpRequest) -> HttpResponse:
     index = {t: i for i, t in enumerate(axis)}
     fmt = "%m-%d %H:00" if bucket == "hour" else "%Y-%m-%d"
     labels = [t.strftime(fmt) for t in axis]
-    by_model = usage_rows(start=start, end=end, group_by="model", bucket=bucket, key_ids=key_ids)
-    by_who = usage_rows(start=start, end=end, group_by=group, bucket=bucket, key_ids=key_ids)
+    by_model = usage_rows(start=start, end=end, group_by="model", bucket=bucket, team_ids=team_ids)
+    by_who = usage_rows(start=start, end=end, group_by=group, bucket=bucket, team_ids=team_ids)
     who = _key_label if group == "key" else (_team_label if group == "team" else (lambda r: r.get("user") or "(no user)"))
     tokens = lambda r: r["prompt_tokens"] + r["completion_tokens"]  # noqa: E731
-    charge = chargeback(start=start, end=end, group_by=group, per_hour=True, key_ids=key_ids)
+    charge = chargeback(start=start, end=end, group_by=group, per_hour=True, team_ids=team_ids)
     names = {i["key_id"]: i["key_name"] for i in charge["items"]} if group == "key" else {}
-    owners = key_teams() if group == "team" else {}
+    team_names = {i["team_id"] or 0: _team_label(i) for i in charge["items"]} if group == "team" else {}
     gpu_series: dict[str, list[float]] = defaultdict(lambda: [0.0] * len(axis))
     for hour, per in charge["series"].items():
         moment = datetime.fromtimestamp(hour, tz=UTC)
@@ -106,8 +107,8 @@ def usage_page(request: HttpRequest) -> HttpResponse:
         if i is None:
             continue
         for w, gs in per.items():
-            if group == "team":  # the series is per key: each key's team
-                label = w if w == "(idle)" else (owners.get(w, (None, ""))[1] or "(no team)")
+            if group == "team":  # the series is per team id (0: no team)
+                label = w if w == "(idle)" else team_names.get(w, "(no team)")
             else:
                 label = w if w == "(idle)" else (_key_label({"key_id": w, "key_name": names.get(w)}) if group == "key"
                                                  else (w or "(no user)"))
@@ -168,14 +169,14 @@ def requests_page(request: HttpRequest) -> HttpResponse:
     request_id = request.GET.get("request_id", "").strip()[:128]
     before = query_int(request.GET, "before", minimum=1)
     team = request.GET.get("team", "").strip()[:50]
-    key_ids = _team_keys(request, team)
+    team_ids = _team_scope(request, team)
     rows = request_rows(key=key or None, model=model or None, status=status, request_id=request_id or None,
-                        before=before, limit=REQUESTS_PAGE + 1, key_ids=key_ids)
+                        before=before, limit=REQUESTS_PAGE + 1, team_ids=team_ids)
     older = rows[REQUESTS_PAGE - 1]["id"] if len(rows) > REQUESTS_PAGE else None
     filters = {"key": key, "model": model, "status": str(status) if status else "", "request_id": request_id,
                "team": team}
     in_flight = ([(b.model_name, b.instance_id, b.node, b.in_flight) for b in routing_table.backends() if b.in_flight]
-                 if key_ids is None else [])  # every tenant's: not for a team's view
+                 if team_ids is None else [])  # every tenant's: not for a team's view
     ctx = {"rows": rows[:REQUESTS_PAGE], "older": older, "filters": filters,
            "older_url": "?" + urlencode({**{k: v for k, v in filters.items() if v}, "before": older}) if older else "",
            "in_flight": in_flight}

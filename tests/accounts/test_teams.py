@@ -34,9 +34,11 @@ def two_teams(admin):
         _, lead_key = create_api_key(user=lead, name=f"{slug}-lead-key")
         key, _ = create_api_key(user=lead, name=f"{slug}-app", team=team)
         UsageBucket.objects.create(bucket_start=hour, key_id=key.pk, key_name=key.name, username=lead.username,
-                                   model=f"{slug}-model", requests=2, prompt_tokens=60, completion_tokens=40)
+                                   model=f"{slug}-model", requests=2, prompt_tokens=60, completion_tokens=40,
+                                   team_id=team.pk, team_slug=slug)
         RequestLog.objects.create(at=timezone.now(), request_id=f"req-{slug}", key_id=key.pk, key_name=key.name,
-                                  username=lead.username, model=f"{slug}-model", status=200)
+                                  username=lead.username, model=f"{slug}-model", status=200,
+                                  team_id=team.pk, team_slug=slug)
         out[slug] = {"team": team, "lead": lead, "lead_key": lead_key, "key": key}
     return out
 
@@ -113,6 +115,9 @@ def test_a_team_lead_sees_and_manages_only_its_own_team(client, two_teams):
     page = browser.get("/teams/").content.decode()
     assert "ML" in page and "WEB" not in page
     assert browser.get("/usage/?team=web").status_code == 404
+    usage_page = browser.get("/usage/?group=team").content.decode()
+    assert ">ml<" in usage_page and ">web<" not in usage_page and "ml-model" in usage_page
+    assert "web-model" not in usage_page
     requests_page = browser.get("/requests/").content.decode()
     assert "req-ml" in requests_page and "req-web" not in requests_page
     assert browser.post(f"/teams/{other}/", {"action": "key_create", "name": "x"}).status_code == 404
@@ -182,7 +187,8 @@ def test_the_team_page_shows_gpu_seconds_used_against_the_budget(two_teams):
     hour = timezone.now().replace(minute=0, second=0, microsecond=0)
     for t, busy in ((ml, 60), (web, 10)):
         UsageBucket.objects.create(bucket_start=hour, key_id=t["key"].pk, key_name=t["key"].name, username="u",
-                                   model="gpu", instance_id=inst.pk, node="n-budget", busy_seconds=busy)
+                                   model="gpu", instance_id=inst.pk, node="n-budget", busy_seconds=busy,
+                                   team_id=t["team"].pk, team_slug=t["team"].slug)
     Team.objects.filter(pk__in=[ml["team"].pk, web["team"].pk]).update(gpu_seconds_month=100)
     browser = Client()
     browser.force_login(ml["lead"])  # a lead sees its team's

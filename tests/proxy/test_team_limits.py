@@ -137,7 +137,8 @@ inst = ModelInstance.objects.create(model_name="gone-" + uuid.uuid4().hex[:6], m
                                     node=node, gpus=[0, 1], state="STOPPED")
 UsageBucket.objects.create(bucket_start=timezone.now().replace(minute=0, second=0, microsecond=0), key_id=key.pk,
                            key_name=key.name, username=key.user.username, model=inst.model_name,
-                           instance_id=inst.pk, node=node.name, requests=1, busy_seconds={seconds})
+                           instance_id=inst.pk, node=node.name, requests=1, busy_seconds={seconds},
+                           team_id=key.team_id or 0, team_slug=key.team.slug if key.team else "")
 """
     pc.console.manage("shell", "-c", code)
 
@@ -182,3 +183,41 @@ def test_a_team_gpu_budget_refuses_its_keys_once_chargeback_reaches_it(teams_con
     assert httpx.patch(f"{pc.url}/api/teams/{team['id']}", json={"gpu_seconds_month": 1000},
                        headers=pc.auth).status_code == 200
     assert chat(pc, b).status_code == 200
+
+
+def test_a_key_moved_to_another_team_leaves_its_usage_with_the_first(teams_console):
+    """Usage, the request log, chargeback and team quotas name the team that owned the key when it
+    was used: a key moved from one team to another takes none of its past usage along (before, all
+    of it followed the key to its new team, and out of the old team's quota)."""
+    pc = teams_console
+    first, second = new_team(pc, daily_tokens=25), new_team(pc, daily_tokens=1000)
+    r = httpx.post(f"{pc.url}/api/keys", json={"name": f"k-{time.monotonic_ns()}", "username": "tess",
+                                               "team": first["slug"]}, headers=pc.auth)
+    assert r.status_code == 201, r.text
+    key_id, key = r.json()["id"], r.json()["key"]
+    assert chat(pc, key).status_code == 200 and chat(pc, key).status_code == 200  # 20 tokens, the first team's
+    r = httpx.patch(f"{pc.url}/api/keys/{key_id}", json={"team": second["slug"]}, headers=pc.auth)
+    assert r.status_code == 200 and r.json()["team"] == second["slug"], r.text
+    assert chat(pc, key).status_code == 200  # 10 tokens, the second team's
+
+    def by_team() -> dict[str, tuple[int, int]]:
+        items = httpx.get(f"{pc.url}/api/usage?group_by=team&key={key_id}", headers=pc.auth).json()["items"]
+        out: dict[str, tuple[int, int]] = {}
+        for i in items:
+            requests, tokens = out.get(i["team"], (0, 0))
+            out[i["team"]] = (requests + i["requests"], tokens + i["prompt_tokens"] + i["completion_tokens"])
+        return out
+
+    deadline = time.monotonic() + 15  # written within XGEN_USAGE_FLUSH=1 s
+    while (seen := by_team()) != {first["slug"]: (2, 20), second["slug"]: (1, 10)} and time.monotonic() < deadline:
+        time.sleep(0.3)
+    assert seen == {first["slug"]: (2, 20), second["slug"]: (1, 10)}
+    for team, statuses in ((first, [200, 200]), (second, [200])):
+        rows = httpx.get(f"{pc.url}/api/requests?team={team['slug']}", headers=pc.auth).json()["items"]
+        assert [r["status"] for r in rows] == statuses and {r["team"] for r in rows} == {team["slug"]}, rows
+    # The first team's quota still counts what the key used while it was the first team's: 20 of 25
+    # lets one more request in (30 after it), then refuses.
+    other = team_key(pc, first, "uma")
+    assert chat(pc, other).status_code == 200
+    assert chat(pc, other).status_code == 429
+    assert chat(pc, key).status_code == 200  # the moved key is the second team's (10 of 1,000)

@@ -50,7 +50,7 @@ async def _busy(key, instance, seconds: float) -> None:
     hour = datetime.now(tz=UTC).replace(minute=0, second=0, microsecond=0)
     row, _ = await UsageBucket.objects.aget_or_create(
         bucket_start=hour, key_id=key.pk, key_name=key.name, username="u", model=instance.model_name,
-        instance_id=instance.pk, node="n")
+        instance_id=instance.pk, node="n", team_id=key.team_id)
     row.busy_seconds += seconds
     row.requests += 1
     await row.asave()
@@ -145,7 +145,7 @@ async def test_the_settled_hours_and_the_recent_ones_add_up_to_chargebacks_figur
     for hour, k, busy in ((earlier, key, 100), (earlier, other_key, 50)):
         await UsageBucket.objects.acreate(bucket_start=hour, key_id=k.pk, key_name=k.name, username="u",
                                           model=instance.model_name, instance_id=instance.pk, node="n",
-                                          busy_seconds=busy)
+                                          busy_seconds=busy, team_id=k.team_id)
     await _busy(key, instance, 10)  # this hour
     figures, settled = await sync_to_async(read_team_gpu_seconds)(time.time())
     for t in (team, other_team):
@@ -155,7 +155,7 @@ async def test_the_settled_hours_and_the_recent_ones_add_up_to_chargebacks_figur
     if earlier < now.replace(minute=0, second=0, microsecond=0) - timedelta(hours=1):
         await UsageBucket.objects.acreate(bucket_start=earlier, key_id=key.pk, key_name=key.name, username="late",
                                           model=instance.model_name, instance_id=instance.pk, node="n",
-                                          busy_seconds=40)
+                                          busy_seconds=40, team_id=key.team_id)
         again, _ = await sync_to_async(read_team_gpu_seconds)(time.time(), settled)
         assert again[team.pk] == pytest.approx(figures[team.pk], abs=0.002)  # kept from the last read
         stale = dataclasses.replace(settled, read_at=-math.inf)

@@ -56,7 +56,10 @@ async def test_a_team_quota_starts_from_what_its_keys_wrote(make):  # noqa: F811
     clock = Clock()
     hour = datetime.fromtimestamp(clock.now // 3600 * 3600 - 86400, tz=UTC)  # yesterday, this month
     for k, used in ((k1, 500), (k2, 499)):
-        await UsageBucket.objects.acreate(bucket_start=hour, key_id=k.pk, model="m", prompt_tokens=used)
+        await UsageBucket.objects.acreate(bucket_start=hour, key_id=k.pk, model="m", prompt_tokens=used,
+                                          team_id=t_row.pk, team_slug=t_row.slug)
+    # What k1 used before it joined the team (no team then) is not the team's.
+    await UsageBucket.objects.acreate(bucket_start=hour, key_id=k1.pk, model="m", prompt_tokens=5000)
     limiter = make(clock)
     t = team(t_row.pk, monthly_tokens=1000)
     assert (await limiter.admit(t)).allowed  # 999 used by the two keys

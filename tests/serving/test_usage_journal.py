@@ -277,3 +277,33 @@ async def test_a_live_web_process_takes_over_a_dead_peers_journal_in_the_same_fo
     assert await live.flush() == 4 and _segments(tmp_path) == []  # 2 buckets, 2 rows
     await live.stop()
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.django_db
+def test_a_segment_of_the_version_before_team_fields_replays_under_the_keys_team(tmp_path):
+    """Records written before rows named their team (two fields shorter) are still replayed after an
+    upgrade, charged to the team that owns their key then (what that version would have read)."""
+    import json
+
+    from accounts.services import create_api_key, create_team, create_user
+    from serving.proxy.usage import ROW_FIELDS
+
+    team = create_team(name="Old", slug="old")
+    key, _ = create_api_key(user=create_user(username="ada", role="viewer", password="ada-pass-1234"),
+                            name="k", team=team)
+    journal = UsageJournal(tmp_path)
+    recorder = UsageRecorder(journal=journal)
+    who = Principal(user_id=1, username="ada", role="viewer", key_id=key.pk, key_name="k")
+    recorder.record(RequestContext(request_id="old-1", principal=who), model="m", instance_id=3, node="n",
+                    status=200, error=None, prompt_tokens=2, completion_tokens=3, busy_s=0.5, ttft_s=None,
+                    failed=False)
+    (name,) = _segments(tmp_path)
+    journal.close()
+    lines = (tmp_path / name).read_text().splitlines()
+    old = [json.loads(line) for line in lines]
+    at = ROW_FIELDS.index("team_id")
+    assert [r[at:at + 2] for r in old] == [[0, ""]]  # the principal named no team
+    (tmp_path / name).write_text("".join(json.dumps(r[:at] + r[at + 2:]) + "\n" for r in old))
+    assert replay_journal(tmp_path) == 1
+    assert list(RequestLog.objects.values_list("request_id", "team_id", "team_slug")) == [("old-1", team.pk, "old")]
+    assert list(UsageBucket.objects.values_list("team_id", "team_slug", "prompt_tokens")) == [(team.pk, "old", 2)]
