@@ -105,6 +105,22 @@ def group_teams() -> dict[str, list[str]]:
     return parse_group_teams(getattr(settings, "SSO_GROUP_TEAMS", ""))
 
 
+def mapping_rows() -> tuple[list[dict], str]:
+    """The group mapping as the Teams page shows it to admins: one row per mapped group (its role,
+    its teams and whether each exists: a mapping never makes a team), and the settings' error ("" if
+    none) when a mapping cannot be read."""
+    from accounts.models import Team
+
+    try:
+        roles, teams = group_roles(), group_teams()
+    except MappingError as exc:
+        return [], str(exc)
+    known = set(Team.objects.filter(slug__in=sorted({s for slugs in teams.values() for s in slugs}))
+                .values_list("slug", flat=True))
+    return [{"group": g, "role": roles.get(g, ""), "teams": [(slug, slug in known) for slug in teams.get(g, [])]}
+            for g in sorted(set(roles) | set(teams))], ""
+
+
 def sync_teams(user: User, groups: list[str]) -> dict[str, list[str]]:
     """The user's IdP team memberships made to match its groups (XGEN_SSO_GROUP_TEAMS): idp
     memberships added and removed, local ones never touched (a team the user is in locally stays

@@ -70,8 +70,12 @@ def teams_page(request: HttpRequest) -> HttpResponse:
     teams = Team.objects.all() if admin else Team.objects.filter(memberships__user=user, memberships__is_lead=True)
     rows = [{"team": t, "members": t.memberships.count(), "keys": t.api_keys.filter(revoked_at__isnull=True).count()}
             for t in teams.order_by("name")]
-    return render(request, "serving/teams.html", {"rows": rows, "admin": admin,
-                                                  "limit_fields": TEAM_LIMIT_FIELDS})
+    ctx: dict = {"rows": rows, "admin": admin, "limit_fields": TEAM_LIMIT_FIELDS}
+    if admin:
+        from accounts.sso import mapping_rows
+
+        ctx["mapping"], ctx["mapping_error"] = mapping_rows()
+    return render(request, "serving/teams.html", ctx)
 
 
 def _team_for(request: HttpRequest, team_id: int) -> Team:

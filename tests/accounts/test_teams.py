@@ -3,6 +3,8 @@ and a team lead that sees and manages its own team's keys and usage and nothing 
 (enforced by the server: another team answers 404, as one that does not exist)."""
 from __future__ import annotations
 
+import re
+
 import pytest
 from django.test import Client
 from django.utils import timezone
@@ -264,3 +266,23 @@ async def test_a_team_lead_gets_no_live_gpu_cards(two_teams, viewer):
         assert connected is allowed and (allowed or code == 4403)
         if connected:
             await comm.disconnect()
+
+
+def test_admins_see_the_group_mapping_on_the_teams_page_and_leads_do_not(client, admin, two_teams, settings):
+    """The mapping (issue 26 #3, #5), as the settings give it: each group's role and teams, a team
+    that does not exist flagged, and a mapping the settings cannot read shown as its error."""
+    settings.SSO_GROUP_ROLES = '{"cn=ops,ou=groups,dc=x": "operator", "ml-group": "viewer"}'
+    settings.SSO_GROUP_TEAMS = '{"ml-group": ["ml", "ghost"], "web-group": "web"}'
+    browser = Client()
+    browser.force_login(admin.user)
+    page = browser.get("/teams/").content.decode()
+    rows = re.findall(r"<tr><td><code>([^<]+)</code></td><td>([^<]*)</td>\s*<td>(.*?)</td></tr>", page, re.S)
+    assert [(g, role, re.sub(r"<[^>]+>", "", teams)) for g, role, teams in rows] == [
+        ("cn=ops,ou=groups,dc=x", "operator", "—"), ("ml-group", "viewer", "ml, ghost no such team"),
+        ("web-group", "—", "web")]
+    settings.SSO_GROUP_TEAMS = "cn=a,dc=b=ml"
+    page = browser.get("/teams/").content.decode()
+    assert 'role="alert">XGEN_SSO_GROUP_TEAMS entry' in page
+    browser.force_login(two_teams["ml"]["lead"])  # a lead: its teams, not the mapping
+    page = browser.get("/teams/").content.decode()
+    assert "sso-mapping" not in page and "ML" in page
