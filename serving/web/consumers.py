@@ -5,6 +5,7 @@ from urllib.parse import parse_qs
 
 from history.samples import DEFAULT_RANGE, RANGES, dashboard_group
 from live.consumers import LiveConsumer
+from live.db import run_db
 from serving.control.events import LIST_GROUP, instance_group
 
 
@@ -29,7 +30,15 @@ class InstanceConsumer(LiveConsumer):
 
 
 class DashboardConsumer(LiveConsumer):
-    """/ws/dashboard/<range>/: node panels, model charts, instance states and events."""
+    """/ws/dashboard/<range>/: node panels, model charts, instance states and events. They are the
+    whole fleet's: a team lead held to its teams (whose dashboard is its team's page) is refused (4403)."""
+
+    async def connect(self) -> None:
+        user = self.scope.get("user")
+        if user is not None and user.is_authenticated and await run_db(user.team_scope) is not None:
+            await self.close(code=4403)
+            return
+        await super().connect()
 
     def groups_for(self) -> list[str]:
         name = self.scope["url_route"]["kwargs"]["range"]

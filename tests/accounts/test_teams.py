@@ -252,15 +252,17 @@ def test_a_team_lead_sees_only_the_gpus_its_teams_models_hold(client, two_teams,
 
 
 @pytest.mark.django_db(transaction=True)
-async def test_a_team_lead_gets_no_live_gpu_cards(two_teams, viewer):
+@pytest.mark.parametrize("routing,path", [("hardware.routing", "/ws/gpus/"), ("serving.routing", "/ws/dashboard/1h/")])
+async def test_a_team_lead_gets_no_live_fleet_page(two_teams, viewer, routing, path):
+    """The live GPU cards and the dashboard are every node's and every team's: a lead is refused."""
+    from importlib import import_module
+
     from channels.routing import URLRouter
     from channels.testing import WebsocketCommunicator
 
-    from hardware.routing import websocket_urlpatterns
-
-    app = URLRouter(websocket_urlpatterns)
+    app = URLRouter(import_module(routing).websocket_urlpatterns)
     for user, allowed in ((two_teams["ml"]["lead"], False), (viewer.user, True)):
-        comm = WebsocketCommunicator(app, "/ws/gpus/")
+        comm = WebsocketCommunicator(app, path)
         comm.scope["user"] = user
         connected, code = await comm.connect()
         assert connected is allowed and (allowed or code == 4403)
@@ -286,3 +288,23 @@ def test_admins_see_the_group_mapping_on_the_teams_page_and_leads_do_not(client,
     browser.force_login(two_teams["ml"]["lead"])  # a lead: its teams, not the mapping
     page = browser.get("/teams/").content.decode()
     assert "sso-mapping" not in page and "ML" in page
+
+
+def test_a_team_leads_home_page_is_its_team_and_the_fleet_dashboard_is_not_theirs(two_teams, viewer, operator):
+    """The dashboard charts every node's GPUs and every team's traffic: a lead held to its teams is
+    sent to its team's page (one team) or its teams (several); a viewer that leads no team and an
+    operator who leads one keep the dashboard."""
+    ml, web = two_teams["ml"], two_teams["web"]
+    browser = Client()
+    browser.force_login(ml["lead"])
+    response = browser.get("/")
+    assert (response.status_code, response["Location"]) == (302, f"/teams/{ml['team'].pk}/")
+    assert browser.get("/?range=7d", HTTP_HX_REQUEST="true")["Location"] == f"/teams/{ml['team'].pk}/"
+    add_member(team=web["team"], user=ml["lead"], is_lead=True)
+    assert browser.get("/")["Location"] == "/teams/"
+    add_member(team=ml["team"], user=operator.user, is_lead=True)
+    for user in (viewer.user, operator.user):
+        browser.force_login(user)
+        response = browser.get("/")
+        assert response.status_code == 200 and 'ws-connect="/ws/dashboard/' in response.content.decode(), user
+
