@@ -62,6 +62,8 @@ IDLE_TTL_S = env_int("XGEN_IDLE_TTL_S", 600, minimum=0)
 EVICT_GRACE_S = env_int("XGEN_EVICT_GRACE_S", 60, minimum=0)
 # SIGTERM: requests in flight get this long to finish before the server cuts them off (queued ones: 503 at once).
 SHUTDOWN_GRACE_S = env_int("XGEN_SHUTDOWN_GRACE_S", 30, minimum=1)
+# A node agent's stop (SIGTERM) ends within this: past it, its stacks go to its log and it exits 1.
+AGENT_STOP_TIMEOUT_S = env_int("XGEN_AGENT_STOP_TIMEOUT_S", SHUTDOWN_GRACE_S + STOP_GRACE_S + 60, minimum=5)
 COLD_START_TIMEOUT_S = env_int("XGEN_COLD_START_TIMEOUT_S", 0, minimum=0)
 COLD_START_KEEPALIVE_S = env_int("XGEN_COLD_START_KEEPALIVE_S", 2, minimum=0)
 QUEUE_MAX = env_int("XGEN_QUEUE_MAX", 100, minimum=0)

@@ -72,8 +72,9 @@ class Cluster:
     def _spawn(self, name: str, args: list[str], env: dict) -> Proc:
         log_path = self.root / f"{name}.log"
         log = open(log_path, "ab")  # noqa: SIM115
-        proc = subprocess.Popen([PYTHON, str(REPO / "manage.py"), *args], cwd=REPO, env={**self.env, **env},
-                                stdout=log, stderr=subprocess.STDOUT)
+        # PGAPPNAME (libpq): the process's sessions are named in pg_stat_activity (db_activity below).
+        proc = subprocess.Popen([PYTHON, str(REPO / "manage.py"), *args], cwd=REPO,
+                                env={**self.env, "PGAPPNAME": name, **env}, stdout=log, stderr=subprocess.STDOUT)
         log.close()
         return Proc(name=name, proc=proc, log_path=log_path)
 
@@ -95,6 +96,32 @@ class Cluster:
         wait_http(f"{web.url}/healthz", timeout=60, proc=web.proc)
         self.webs[name] = web
         return web
+
+    def db_activity(self) -> str:
+        """Every session on the cluster's database that is not idle: who (PGAPPNAME), its state, what
+        it waits on, since when, and which sessions block it (a hung process's evidence)."""
+        import psycopg
+
+        sql = ("SELECT pid, application_name, state, wait_event_type, wait_event, "
+               "now() - xact_start, pg_blocking_pids(pid), left(query, 300) FROM pg_stat_activity "
+               "WHERE datname = %s AND state IS DISTINCT FROM 'idle' AND pid <> pg_backend_pid() ORDER BY pid")
+        try:
+            with psycopg.connect(PG_ADMIN_DSN, autocommit=True) as conn:
+                rows = conn.execute(sql, (self.database,)).fetchall()
+        except Exception as exc:
+            return f"(pg_stat_activity unreadable: {exc})"
+        return "\n".join(" | ".join(str(c) for c in row) for row in rows) or "(no session busy)"
+
+    def evidence(self, proc: Proc, *, lines: int = 12000) -> str:
+        """A process that did not do what it should: its stacks (faulthandler on SIGUSR1, written to
+        its log), its log's tail and the database sessions that are not idle."""
+        code = proc.proc.poll()
+        if code is None:
+            proc.proc.send_signal(signal.SIGUSR1)
+            time.sleep(1)
+        state = "runs" if code is None else f"exited with {code}"
+        return (f"({proc.name} {state})\ndatabase sessions:\n{self.db_activity()}\n"
+                f"{proc.name} log:\n{proc.log[-lines:]}")
 
     def kill_agent(self, node: str) -> None:
         agent = self.agents.pop(node)
@@ -151,6 +178,8 @@ def create_cluster(root: Path, *, s3_endpoint: str, s3_access: str, s3_secret: s
         "XGEN_RECONCILE_INTERVAL": "2",
         "XGEN_API_KEY_CACHE": "5",
         "PYTHONUNBUFFERED": "1",
+        # An agent's stop that hangs ends with its stacks in its log before stop() would SIGKILL it (40 s).
+        "XGEN_AGENT_STOP_TIMEOUT_S": "35",
         **(extra_env or {}),
     }
     root.mkdir(parents=True, exist_ok=True)

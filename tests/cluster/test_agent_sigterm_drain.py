@@ -60,7 +60,8 @@ def test_sigterm_lets_the_stream_in_flight_finish_then_stops_the_backend(tmp_pat
     s3_server.reset()
     c = create_cluster(tmp_path_factory.mktemp("drain"), s3_endpoint=s3_server.endpoint,
                        s3_access=s3_server.access_key, s3_secret=s3_server.secret_key,
-                       extra_env={"XGEN_SHUTDOWN_GRACE_S": "40", "XGEN_STOP_GRACE": "5"})
+                       extra_env={"XGEN_SHUTDOWN_GRACE_S": "40", "XGEN_STOP_GRACE": "5",
+                                  "XGEN_AGENT_STOP_TIMEOUT_S": "58"})
     try:
         agent = c.start_agent("node-a")
         c.start_web("a")

@@ -4,6 +4,7 @@ drains), and concurrent loads of one new model transferring it once."""
 from __future__ import annotations
 
 import signal
+import subprocess
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -54,12 +55,7 @@ def _what_happened(cluster, inst: dict) -> str:
     agent = cluster.agents.get(inst.get("node") or "")
     if agent is None:
         return f"{inst}\ntimeline:\n{timeline}\n(no agent)"
-    code = agent.proc.poll()
-    if code is None:
-        agent.proc.send_signal(signal.SIGUSR1)  # the agent's stacks into its log (faulthandler)
-        time.sleep(1)
-    tail = f"(the agent {'runs' if code is None else f'exited with {code}'})\n{agent.log[-12000:]}"
-    return f"{inst}\ntimeline:\n{timeline}\nagent log:\n{tail}"
+    return f"{inst}\ntimeline:\n{timeline}\n{cluster.evidence(agent)}"
 
 
 def _chat(cluster, web: str, model: str) -> int:
@@ -159,7 +155,14 @@ def test_a_sigterm_drains_the_node_and_moves_its_models_to_the_other_node(cluste
     agent = cluster.agents.pop("node-a")
     agent.proc.send_signal(signal.SIGTERM)
     try:
-        assert agent.proc.wait(timeout=90) == 0
+        try:
+            code = agent.proc.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            evidence = cluster.evidence(agent)
+            agent.proc.kill()  # not left behind to fail every later module's leftover check
+            agent.proc.wait()
+            raise AssertionError(f"node-a's agent did not stop within 90 s of SIGTERM\n{evidence}") from None
+        assert code == 0, cluster.evidence(agent)
         assert "moved to node-b" in agent.log, agent.log[-3000:]
         for model, [old] in olds.items():
             _wait_moved(cluster, "b", model, "node-b")

@@ -9,6 +9,7 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
 from serving.node.agent import AGENT_REFUSED, NodeAgent
+from serving.node.watchdog import LoopWatchdog, disarm, on_stop_signal
 
 
 class Command(BaseCommand):
@@ -30,11 +31,17 @@ class Command(BaseCommand):
         async def main() -> None:
             stop = asyncio.Event()
             loop = asyncio.get_running_loop()
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.add_signal_handler(sig, stop.set)
-            await agent.run(stop)
+            on_stop_signal(loop, stop, settings.AGENT_STOP_TIMEOUT_S)
+            watchdog = LoopWatchdog(loop)
+            watchdog.start()
+            try:
+                await agent.run(stop)
+            finally:
+                watchdog.stop()
 
         try:
             asyncio.run(main())
         except AGENT_REFUSED as exc:  # another agent has this node: exit 1 saying which
             raise CommandError(str(exc)) from None
+        finally:
+            disarm()

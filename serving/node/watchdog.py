@@ -1,0 +1,92 @@
+"""The node agent's two watchdogs, threads of their own that need nothing of the event loop:
+
+- a stop that ends: from SIGTERM/SIGINT, the agent has XGEN_AGENT_STOP_TIMEOUT_S to drain, stop its
+  backends and free the node; past that, every thread's stack goes to its log and the process exits
+  1 (stdlib faulthandler's timer, which runs even when the loop and the GIL's holder are stuck). The
+  backends it did not stop are adopted or stopped by the next agent (Supervisor.adopt_or_stop_orphans).
+- a loop that turns: a thread pings the loop every CHECK_S; a loop that has not answered for STALL_S
+  is blocked (nothing async runs then: no heartbeat, no stop, no signal handler added with
+  loop.add_signal_handler), and its log gets every thread's stack, once per stall.
+
+The signal handler is a plain `signal.signal` one, not the loop's: Python runs it in the main thread
+even while the loop is blocked in a call that a signal interrupts, so the stop's deadline is armed
+whatever the loop is doing.
+"""
+from __future__ import annotations
+
+import asyncio
+import faulthandler
+import logging
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+log = logging.getLogger("xgen.agent")
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def on_stop_signal(loop: asyncio.AbstractEventLoop, stop: asyncio.Event, deadline_s: float) -> None:
+    """SIGTERM/SIGINT: set `stop` on the loop, and exit (stacks first) if the stop takes past `deadline_s`."""
+    armed = {"at": 0.0}
+
+    def handler(signum: int, frame) -> None:
+        if not armed["at"]:
+            armed["at"] = time.monotonic()
+            # Stacks to stderr (the agent's log), then _exit(1): a stop that hangs is seen, never endless.
+            faulthandler.dump_traceback_later(deadline_s, exit=True, file=sys.stderr)
+            sys.stderr.write(f"node agent: {signal.Signals(signum).name}: stopping (at most {deadline_s:g} s, "
+                             "XGEN_AGENT_STOP_TIMEOUT_S)\n")
+        loop.call_soon_threadsafe(stop.set)
+
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, handler)
+
+
+def disarm() -> None:
+    """The stop ended: the deadline's timer goes (the interpreter's own exit must not trip it)."""
+    faulthandler.cancel_dump_traceback_later()
+
+
+class LoopWatchdog:
+    """Logs every thread's stack when the event loop has not turned for STALL_S (once per stall)."""
+
+    CHECK_S = 5.0
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, *, stall_s: float = 30.0,
+                 dump: Callable[[], None] | None = None) -> None:
+        self.loop = loop
+        self.stall_s = stall_s
+        self._dump = dump or (lambda: faulthandler.dump_traceback(file=sys.stderr, all_threads=True))
+        self._last_tick = time.monotonic()
+        self._done = threading.Event()
+        self.stalls = 0
+        self._thread = threading.Thread(target=self._watch, name="agent-loop-watchdog", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._done.set()
+
+    def _tick(self) -> None:
+        self._last_tick = time.monotonic()
+
+    def _watch(self) -> None:
+        reported = False
+        while not self._done.wait(self.CHECK_S):
+            try:
+                self.loop.call_soon_threadsafe(self._tick)
+            except RuntimeError:  # the loop is closed
+                return
+            stalled = time.monotonic() - self._last_tick
+            if stalled < self.stall_s:
+                reported = False
+            elif not reported:
+                reported = True
+                self.stalls += 1
+                log.warning("the agent's event loop has not run for %.0f s (blocked): every thread's stack "
+                            "follows", stalled)
+                self._dump()
