@@ -4,6 +4,7 @@
   backends and free the node; past that, every thread's stack goes to its log and the process exits
   1 (stdlib faulthandler's timer, which runs even when the loop and the GIL's holder are stuck). The
   backends it did not stop are adopted or stopped by the next agent (Supervisor.adopt_or_stop_orphans).
+- `kill -USR2 <pid>` writes the loop's tasks and what each awaits (`kill -USR1`, every thread's stack);
 - a loop that turns: a thread pings the loop every CHECK_S; a loop that has not answered for STALL_S
   is blocked (nothing async runs then: no heartbeat, no stop, no signal handler added with
   loop.add_signal_handler), and its log gets every thread's stack, once per stall.
@@ -26,6 +27,33 @@ from collections.abc import Callable
 log = logging.getLogger("xgen.agent")
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+TASKS_BEFORE_DEADLINE_S = 2.0  # the loop's tasks are written this long before the deadline's thread stacks
+
+
+def task_stacks(loop: asyncio.AbstractEventLoop | None = None) -> str:
+    """Every task of the loop and what it waits on, down the chain of awaits (a task's own
+    get_stack() shows only its outermost frame): where a stop that hangs on a future stands, which
+    thread stacks cannot show (the loop is idle in select then)."""
+    out = []
+    for task in sorted(asyncio.all_tasks(loop), key=lambda t: t.get_name()):
+        lines = [f"Task {task.get_name()!r}{' (done)' if task.done() else ''}:"]
+        awaited, depth = task.get_coro(), 0
+        while awaited is not None and depth < 40:
+            frame = getattr(awaited, "cr_frame", None) or getattr(awaited, "gi_frame", None)
+            if frame is None:  # a future, a task, or a finished coroutine
+                what = "a future" if type(awaited).__name__ == "FutureIter" else repr(awaited)
+                lines.append(f"  waits on {what}"[:300])  # a task it waits on is listed as a task of its own
+                break
+            lines.append(f"  File \"{frame.f_code.co_filename}\", line {frame.f_lineno} in {frame.f_code.co_name}")
+            awaited = getattr(awaited, "cr_await", None) or getattr(awaited, "gi_yieldfrom", None)
+            depth += 1
+        out.append("\n".join(lines))
+    return "\n".join(out)
+
+
+def write_task_stacks(loop: asyncio.AbstractEventLoop) -> None:
+    sys.stderr.write(f"node agent: the event loop's tasks:\n{task_stacks(loop)}\n")
+    sys.stderr.flush()
 
 
 def on_stop_signal(loop: asyncio.AbstractEventLoop, stop: asyncio.Event, deadline_s: float) -> None:
@@ -37,6 +65,8 @@ def on_stop_signal(loop: asyncio.AbstractEventLoop, stop: asyncio.Event, deadlin
             armed["at"] = time.monotonic()
             # Stacks to stderr (the agent's log), then _exit(1): a stop that hangs is seen, never endless.
             faulthandler.dump_traceback_later(deadline_s, exit=True, file=sys.stderr)
+            loop.call_soon_threadsafe(loop.call_later, max(0.0, deadline_s - TASKS_BEFORE_DEADLINE_S),
+                                      write_task_stacks, loop)
             sys.stderr.write(f"node agent: {signal.Signals(signum).name}: stopping (at most {deadline_s:g} s, "
                              "XGEN_AGENT_STOP_TIMEOUT_S)\n")
         loop.call_soon_threadsafe(stop.set)

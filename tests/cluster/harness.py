@@ -117,7 +117,9 @@ class Cluster:
         its log), its log's tail and the database sessions that are not idle."""
         code = proc.proc.poll()
         if code is None:
-            proc.proc.send_signal(signal.SIGUSR1)
+            proc.proc.send_signal(signal.SIGUSR1)  # every thread's stack (faulthandler)
+            if proc.name.startswith("agent-"):
+                proc.proc.send_signal(signal.SIGUSR2)  # the loop's tasks and what each awaits
             time.sleep(1)
         state = "runs" if code is None else f"exited with {code}"
         return (f"({proc.name} {state})\ndatabase sessions:\n{self.db_activity()}\n"
@@ -145,7 +147,7 @@ class Cluster:
     def stop(self) -> dict[str, int]:
         codes = {}
         for p in list(self.agents.values()) + list(self.webs.values()):
-            codes[p.name] = stop_process(p.proc, timeout=40)
+            codes[p.name] = stop_process(p.proc, timeout=70)  # past an agent's XGEN_AGENT_STOP_TIMEOUT_S
         self.agents.clear()
         self.webs.clear()
         return codes
@@ -178,8 +180,8 @@ def create_cluster(root: Path, *, s3_endpoint: str, s3_access: str, s3_secret: s
         "XGEN_RECONCILE_INTERVAL": "2",
         "XGEN_API_KEY_CACHE": "5",
         "PYTHONUNBUFFERED": "1",
-        # An agent's stop that hangs ends with its stacks in its log before stop() would SIGKILL it (40 s).
-        "XGEN_AGENT_STOP_TIMEOUT_S": "35",
+        # An agent's stop that hangs ends with its stacks in its log before stop() would SIGKILL it.
+        "XGEN_AGENT_STOP_TIMEOUT_S": "60",
         **(extra_env or {}),
     }
     root.mkdir(parents=True, exist_ok=True)

@@ -65,7 +65,10 @@ def test_a_stop_that_hangs_ends_at_its_deadline_with_every_threads_stack(mode):
     assert "SIGTERM: stopping (at most 2 s, XGEN_AGENT_STOP_TIMEOUT_S)" in out
     assert "Timeout (0:00:02)!" in out and "Thread 0x" in out, out  # faulthandler's dump
     assert "exited cleanly" not in out
-    if mode == "hang":
+    if mode == "hang":  # the loop runs: its tasks, down to the await that hangs, come before the threads
+        line = next(n for n, text in enumerate(SCRIPT.splitlines(), 1) if "asyncio.Event().wait()" in text)
+        tasks = out.split("node agent: the event loop's tasks:\n", 1)[1].split("Timeout (0:00:02)!")[0]
+        assert f'line {line} in main\n' in tasks and "in wait\n  waits on a future" in tasks, out
         assert "stopping" in out.splitlines()
     else:  # the loop never turned: the stop was never seen by it, the deadline ended it anyway
         line = next(n for n, text in enumerate(SCRIPT.splitlines(), 1) if "time.sleep(60)" in text)

@@ -9,7 +9,7 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
 from serving.node.agent import AGENT_REFUSED, NodeAgent
-from serving.node.watchdog import LoopWatchdog, disarm, on_stop_signal
+from serving.node.watchdog import LoopWatchdog, disarm, on_stop_signal, write_task_stacks
 
 
 class Command(BaseCommand):
@@ -32,6 +32,7 @@ class Command(BaseCommand):
             stop = asyncio.Event()
             loop = asyncio.get_running_loop()
             on_stop_signal(loop, stop, settings.AGENT_STOP_TIMEOUT_S)
+            loop.add_signal_handler(signal.SIGUSR2, write_task_stacks, loop)  # what each task awaits
             watchdog = LoopWatchdog(loop)
             watchdog.start()
             try:
