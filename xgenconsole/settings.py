@@ -104,6 +104,15 @@ LLAMA_SERVER_BIN = env_str("XGEN_LLAMA_SERVER_BIN")
 
 # Inference proxy.
 PROXY_MAX_BODY_BYTES = env_int("XGEN_PROXY_MAX_BODY", 16 * 1024 * 1024, minimum=1024)
+# Among a model's replicas (issue 25 #2): `prefix` sends requests that start alike (system prompt, first
+# turns: the first XGEN_ROUTING_PREFIX_CHARS characters) to the same replica, whose prompt cache holds
+# that start, unless it has (1 + XGEN_ROUTING_PREFIX_EPS_PCT/100) x the mean in flight or more;
+# `least_inflight` sends each to the replica with the fewest in flight.
+ROUTING = env_str("XGEN_ROUTING", "least_inflight")  # bench/prefix_routing.py: prefix does not win here yet
+if ROUTING not in ("prefix", "least_inflight"):
+    raise ImproperEnv(f"XGEN_ROUTING must be 'prefix' or 'least_inflight', not {ROUTING!r}")
+ROUTING_PREFIX_CHARS = env_int("XGEN_ROUTING_PREFIX_CHARS", 256, minimum=1, maximum=1_000_000)
+ROUTING_PREFIX_EPS = env_int("XGEN_ROUTING_PREFIX_EPS_PCT", 50, minimum=0, maximum=1000) / 100
 PROXY_ROUTING_PUSH = True  # the routing table refreshes in the background (pushed); settings_test turns it off
 PROXY_MAX_SSE_EVENT_BYTES = env_int("XGEN_PROXY_MAX_SSE_EVENT", 8 * 1024 * 1024, minimum=1024)
 PROXY_CONNECT_TIMEOUT_S = env_int("XGEN_PROXY_CONNECT_TIMEOUT", 5, minimum=1)

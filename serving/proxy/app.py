@@ -32,6 +32,7 @@ from serving.proxy.admission import AfterComments, admit_request, cold_candidate
 from serving.proxy.bodies import client_request_id, new_request_id, read_body, request_payload
 from serving.proxy.errors import ProxyError
 from serving.proxy.fleet_metrics import render_fleet
+from serving.proxy.prefix import routing_key
 from serving.proxy.relay import ClientWatch, forward, request_task, server_timing
 from serving.proxy.routing import (
     ColdStartNeeded,
@@ -203,6 +204,8 @@ async def _route_and_relay(scope, send, path: str, route: Route, payload: dict, 
         candidates = started_cold
         if ctx.comments_sent:
             send = AfterComments(send)
+    if form is None and route.kind != "embedding" and len(candidates) > 1:  # replicas: by the prompt's start
+        ctx.route_key = routing_key(payload, settings.ROUTING_PREFIX_CHARS)
     if form is None and candidates[0].adapters:  # LoRA adapters: which apply (llama-server's per-request `lora`)
         body = with_adapters(candidates, body, payload.get("model"))
     upstream_path = route.upstream_path

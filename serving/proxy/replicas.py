@@ -29,6 +29,7 @@ from django.conf import settings
 from live.db import DatabaseUnavailable, run_db
 from live.groups import GroupListener
 from live.tasks import cancel_and_wait
+from serving.proxy.prefix import load_cap, score
 
 log = logging.getLogger("xgen.proxy")
 
@@ -331,10 +332,13 @@ class RoutingTable:
             counts[backend.instance_id] = counts.get(backend.instance_id, 0) + backend.in_flight
         return counts
 
-    def order(self, candidates: list[Backend]) -> list[Backend]:
+    def order(self, candidates: list[Backend], key: bytes | None = None) -> list[Backend]:
         """Candidates in the order to try: up before down, then fewest in flight.
 
         Ties rotate, so idle replicas share sequential traffic instead of the first taking all.
+        With a routing key (serving.proxy.prefix) and XGEN_ROUTING=prefix, the first is the up
+        replica of highest rendezvous score for the key whose load is within the bound; the rest
+        follow as above (where a refused connection goes next).
         """
         n = len(candidates)
         if n == 1:
@@ -342,7 +346,18 @@ class RoutingTable:
         start = next(self._turn) % n
         rotated = candidates[start:] + candidates[:start]
         now = time.monotonic()
-        return sorted(rotated, key=lambda b: (b.down_until > now, b.in_flight))
+        ranked = sorted(rotated, key=lambda b: (b.down_until > now, b.in_flight))
+        if key is None or settings.ROUTING != "prefix":
+            return ranked
+        up = [b for b in candidates if b.down_until <= now]
+        if not up:
+            return ranked
+        cap = load_cap([b.in_flight for b in up], settings.ROUTING_PREFIX_EPS)
+        by_score = sorted(up, key=lambda b: score(key, b.instance_id), reverse=True)
+        first = next((b for b in by_score if b.in_flight < cap), None)
+        if first is None:
+            return ranked
+        return [first, *(b for b in ranked if b is not first)]
 
 
 # Listens in servers (settings.PROXY_ROUTING_PUSH); the test settings turn it off for in-process

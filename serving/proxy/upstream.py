@@ -575,7 +575,7 @@ async def open_upstream(*, path: str, query: bytes, body: bytes, candidates: lis
     fwd = forward_headers(headers, request_id, form)
     session = client()
     last_exc: Exception | None = None
-    attempts = routing_table.order(candidates)
+    attempts = routing_table.order(candidates, ctx.route_key if ctx is not None else None)
     retried: set[int] = set()
     while attempts:
         backend = attempts.pop(0)

@@ -73,6 +73,7 @@ class RequestContext:
     at: float = field(default_factory=time.time)
     logged: bool = False
     failed_on: tuple[int, str] | None = None  # (instance id, node) of the replica that failed the request
+    route_key: bytes | None = None  # the start of the prompt the replica is chosen by (serving.proxy.prefix)
 
     @property
     def answer_request_id(self) -> str:

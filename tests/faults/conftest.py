@@ -230,12 +230,12 @@ def consoles() -> Iterator[list[FaultConsole]]:
             os.kill(pid, signal.SIGKILL)
 
 
-def backends_console(data_dir: Path) -> Iterator[FaultConsole]:
+def backends_console(data_dir: Path, *, extra_env: dict | None = None) -> Iterator[FaultConsole]:
     """A module's console with every engine it may start (usage flushed each second, 20 restarts),
     for `yield from` in a module fixture: stopped cleanly at the end, and no backend may outlive it."""
     from tests.serving.conftest import set_console_backends
 
-    c = open_console(data_dir, extra_env={"XGEN_USAGE_FLUSH": "1", "XGEN_RESTART_LIMIT": "20"})
+    c = open_console(data_dir, extra_env={"XGEN_USAGE_FLUSH": "1", "XGEN_RESTART_LIMIT": "20", **(extra_env or {})})
     try:
         set_console_backends(c.console)
         yield c

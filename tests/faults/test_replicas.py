@@ -1,7 +1,10 @@
 """Replicas on real engines (issue 30): one real console (`manage.py serve`: web + agent) with
 llama-server on the CPU and the tiny model. Two replicas on one node are two processes on two
 ports that share the requests and survive the loss of one; scaling 1 -> 3 -> 1 with requests
-running fails none, and a replica scaled down finishes its stream before it stops."""
+running fails none, and a replica scaled down finishes its stream before it stops. The requests here
+all send one prompt and are placed by least in flight (XGEN_ROUTING=least_inflight, the default, set
+here so a change of default does not change these tests); prefix-aware routing is tested in
+tests/faults/test_prefix_routing.py."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -24,7 +27,7 @@ ENDLESS = "root ::= [a-z ] root"  # the tiny random model streams exactly max_to
 
 @pytest.fixture(scope="module")
 def console(tmp_path_factory) -> Iterator[FaultConsole]:
-    yield from backends_console(tmp_path_factory.mktemp("replicas"))
+    yield from backends_console(tmp_path_factory.mktemp("replicas"), extra_env={"XGEN_ROUTING": "least_inflight"})
 
 
 def _holders(c: FaultConsole, model: str) -> list[dict]:
