@@ -14,6 +14,8 @@ from pathlib import Path
 
 from django.conf import settings
 
+from live.tasks import cancel_and_wait
+
 log = logging.getLogger("xgen.supervisor")
 
 TAIL_LINES = 50
@@ -63,9 +65,7 @@ class LogTailer:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
+            await cancel_and_wait(self._task)  # cancelled again if it lost the cancel (live.tasks)
             self._task = None
 
     def last_lines(self, n: int = 12) -> str:

@@ -34,6 +34,7 @@ from hardware.process_memory import gpu_leaks, gpu_memory_by_pid, group_pids, me
 from hub.cache import resolve_model_path, sync_to_cache
 from hub.store import StoreUnreachable
 from live.db import db_async
+from live.tasks import cancel_and_wait
 from serving.adapters import BackendAdapter, get_adapter
 from serving.adapters.base import backend_environment
 from serving.control import events
@@ -346,9 +347,7 @@ class Supervisor(AgentWorker):
         for run in list(self.runs.values()):
             run.stopping = True
             if run.lifecycle is not None and not run.lifecycle.done():
-                run.lifecycle.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await run.lifecycle
+                await cancel_and_wait(run.lifecycle)
             if not same_host:
                 with contextlib.suppress(Exception):
                     await self._kill(run)
@@ -792,9 +791,7 @@ class Supervisor(AgentWorker):
         if run.cancel_copy is not None:
             run.cancel_copy.set()
         if run.lifecycle is not None and not run.lifecycle.done():
-            run.lifecycle.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await run.lifecycle
+            await cancel_and_wait(run.lifecycle)  # cancelled again if it lost the cancel (live.tasks)
         pids = sorted(set(run.pids) | set(await asyncio.to_thread(group_pids, run.process.pgid)
                                           if run.process is not None else set()))
         await self._kill(run)
