@@ -58,11 +58,11 @@ def write_task_stacks(loop: asyncio.AbstractEventLoop) -> None:
 
 def on_stop_signal(loop: asyncio.AbstractEventLoop, stop: asyncio.Event, deadline_s: float) -> None:
     """SIGTERM/SIGINT: set `stop` on the loop, and exit (stacks first) if the stop takes past `deadline_s`."""
-    armed = {"at": 0.0}
+    armed: list[bool] = []  # the deadline is armed by the first signal only
 
     def handler(signum: int, frame) -> None:
-        if not armed["at"]:
-            armed["at"] = time.monotonic()
+        if not armed:
+            armed.append(True)
             # Stacks to stderr (the agent's log), then _exit(1): a stop that hangs is seen, never endless.
             faulthandler.dump_traceback_later(deadline_s, exit=True, file=sys.stderr)
             loop.call_soon_threadsafe(loop.call_later, max(0.0, deadline_s - TASKS_BEFORE_DEADLINE_S),
