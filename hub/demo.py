@@ -45,17 +45,24 @@ N_FF = 128
 N_CTX = 2048
 
 
-def _vocab() -> tuple[list[str], list[float], list[int]]:
+PIECE_CHARS = string.ascii_letters + string.digits + string.punctuation
+
+
+def _vocab(*, canonical: bool = False) -> tuple[list[str], list[float], list[int]]:
+    """`canonical`: no byte tokens for the characters that are pieces of their own, so any text
+    the model generates from pieces only is also how the tokenizer reads that text back."""
     import gguf
 
     tokens: list[str] = ["<unk>", "<s>", "</s>"]
     types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL]
     for b in range(256):
+        if canonical and chr(b) in PIECE_CHARS:
+            continue
         tokens.append(f"<0x{b:02X}>")
         types.append(gguf.TokenType.BYTE)
     tokens += ["<|im_start|>", "<|im_end|>"]
     types += [gguf.TokenType.CONTROL, gguf.TokenType.CONTROL]
-    pieces = ["▁"] + list(string.ascii_letters + string.digits + string.punctuation)
+    pieces = ["▁"] + list(PIECE_CHARS)
     pieces += ["▁" + c for c in string.ascii_letters + string.digits]
     pieces += ["▁" + w for w in _WORDS]
     seen = set(tokens)
@@ -73,17 +80,18 @@ FIM_TOKENS = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")
 
 
 def write_tiny_llama_gguf(path: Path | str, *, seed: int = 0, name: str = "xgen-tiny-llama",
-                          fim: bool = False, n_ctx: int = N_CTX) -> Path:
+                          fim: bool = False, n_ctx: int = N_CTX, canonical: bool = False) -> Path:
     """Write the tiny model to `path` (atomically) and return it; `fim` adds the fill-in-the-middle
     tokens llama-server's /infill needs (the vocabulary, and so the weights, of the default model
-    stay as they are); `n_ctx`: its training context (llama.cpp caps a slot's context at it)."""
+    stay as they are); `n_ctx`: its training context (llama.cpp caps a slot's context at it);
+    `canonical`: a vocabulary where generated pieces read back as the same tokens (_vocab)."""
     import gguf
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".part")
     rng = np.random.default_rng(seed)
-    tokens, scores, types = _vocab()
+    tokens, scores, types = _vocab(canonical=canonical)
     if fim:
         tokens += FIM_TOKENS
         scores += [0.0] * len(FIM_TOKENS)

@@ -547,6 +547,8 @@ class RequestLog(models.Model):
                   "the events streamed)")
     team_id = models.IntegerField(default=0, help_text="the team that owned the key then; 0: none")
     team_slug = models.CharField(max_length=50, blank=True)
+    resumes = models.PositiveSmallIntegerField(  # db_default: a web process of the version before inserts without it
+        default=0, db_default=0, help_text="times the stream went on on another replica after its own broke (XGEN_STREAM_RESUME_MAX)")
 
     class Meta:
         ordering = ["-at", "-pk"]

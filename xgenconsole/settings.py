@@ -113,6 +113,11 @@ if ROUTING not in ("prefix", "least_inflight"):
     raise ImproperEnv(f"XGEN_ROUTING must be 'prefix' or 'least_inflight', not {ROUTING!r}")
 ROUTING_PREFIX_CHARS = env_int("XGEN_ROUTING_PREFIX_CHARS", 256, minimum=1, maximum=1_000_000)
 ROUTING_PREFIX_EPS = env_int("XGEN_ROUTING_PREFIX_EPS_PCT", 50, minimum=0, maximum=1000) / 100
+# A chat or completions stream (n = 1) whose replica dies or breaks off after the first byte goes on
+# on another READY replica: the request again with the text so far as the assistant's prefill, the
+# client sees one stream (serving/proxy/resume.py). At most this many times a request; 0: never.
+# A request turns it off with the header `X-XGEN-Resume: off`.
+STREAM_RESUME_MAX = env_int("XGEN_STREAM_RESUME_MAX", 1, minimum=0, maximum=5)
 PROXY_ROUTING_PUSH = True  # the routing table refreshes in the background (pushed); settings_test turns it off
 PROXY_MAX_SSE_EVENT_BYTES = env_int("XGEN_PROXY_MAX_SSE_EVENT", 8 * 1024 * 1024, minimum=1024)
 PROXY_CONNECT_TIMEOUT_S = env_int("XGEN_PROXY_CONNECT_TIMEOUT", 5, minimum=1)

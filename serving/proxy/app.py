@@ -27,7 +27,7 @@ from accounts.credentials import authenticate
 from accounts.errors import ErrorAnswer, error_body
 from live.db import DatabaseUnavailable, run_db
 from serving.adapters import ADAPTERS
-from serving.proxy import anthropic, metrics, ondemand
+from serving.proxy import anthropic, metrics, ondemand, resume
 from serving.proxy.admission import AfterComments, admit_request, cold_candidates, peek_headers
 from serving.proxy.bodies import client_request_id, new_request_id, read_body, request_payload
 from serving.proxy.errors import ProxyError
@@ -227,6 +227,7 @@ async def _route_and_relay(scope, send, path: str, route: Route, payload: dict, 
         label = getattr(ADAPTERS.get(candidates[0].backend), "label", candidates[0].backend)
         raise ProxyError(404, f"{label} (the backend serving '{candidates[0].model_name}') does not serve "
                               f"{upstream_path}.", code="unsupported_by_backend")
+    again = resume.plan(payload, upstream_path, scope["headers"], candidates) if form is None else None
     await forward(scope, watch, send, path=path, body=body, candidates=candidates, ctx=ctx,
-                  started=started, upstream_path=upstream_path, form=form)
+                  started=started, upstream_path=upstream_path, form=form, resume=again)
 

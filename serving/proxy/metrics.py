@@ -60,6 +60,9 @@ QUEUE_DEPTH = Gauge("xgen_queue_depth", "Requests waiting for a slot of a model 
 QUEUE_WAIT = Histogram(
     "xgen_queue_wait_seconds", "Time a request waited in its model's queue", ["model"],
     buckets=(0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
+STREAM_RESUMES = Counter(
+    "xgen_stream_resumes", "Streams that went on on another replica after theirs broke (outcome: resumed, "
+    "or why not: no_replica, not_resumable, limit, failed)", ["model", "outcome"])
 QUEUE_REJECTED = Counter("xgen_queue_rejected", "Requests refused with 429 queue_full", ["model"])
 ADMISSION_REDIS_FALLBACK = Counter(
     "xgen_admission_redis_fallback",

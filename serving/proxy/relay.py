@@ -9,10 +9,19 @@ import json
 import re
 import time
 
-from accounts.errors import error_body
+from django.conf import settings
+
+from accounts.errors import ErrorAnswer, error_body
 from serving.proxy import metrics, ondemand
+from serving.proxy import resume as resuming
 from serving.proxy.replicas import Backend
-from serving.proxy.upstream import UpstreamReply, open_upstream, record_abandoned
+from serving.proxy.upstream import (
+    UpstreamReply,
+    count_prompt_tokens,
+    error_event,
+    open_upstream,
+    record_abandoned,
+)
 from serving.proxy.usage import RequestContext
 
 WATCH_AFTER_S = 0.05  # a forwarded exchange still running this long watches for the client leaving
@@ -165,10 +174,12 @@ class ClientWatch:
 
 async def forward(scope, watch: ClientWatch, send, *, path: str, body: bytes, candidates: list[Backend],
                   ctx: RequestContext, started: float | None = None, upstream_path: str | None = None,
-                  relay=None, shape_error=openai_error_for, form: bytes | None = None) -> None:
+                  relay=None, shape_error=openai_error_for, form: bytes | None = None,
+                  resume: resuming.Resume | None = None) -> None:
     """Open the upstream request inside the model's max_concurrency slot and answer through
     `relay` (by default `passthrough`), with the client watched (`watch`). `form`: the body is a
-    multipart form with these Content-Type parameters (request_payload's reading; None: JSON)."""
+    multipart form with these Content-Type parameters (request_payload's reading; None: JSON).
+    `resume`: a stream that may go on on another replica when its own breaks (serving.proxy.resume)."""
     current = request_task()
     started = time.perf_counter() if started is None else started
     watch.watch(WATCH_AFTER_S)
@@ -190,7 +201,20 @@ async def forward(scope, watch: ClientWatch, send, *, path: str, body: bytes, ca
         def timing(excluded_s: float = 0.0) -> tuple[bytes, bytes]:
             return server_timing(started, reply, excluded_s=excluded_s)
 
-        if relay is None:
+        if relay is None and resume is not None and reply.status == 200 and reply.is_sse:
+            first = reply
+
+            async def reopen(again: bytes, tried: set[int]) -> UpstreamReply | None:
+                others = [b for b in candidates if b.instance_id not in tried]
+                if not others:
+                    return None
+                return await open_upstream(path=path, query=scope.get("query_string", b""), body=again,
+                                           candidates=others, headers=scope["headers"], request_id=ctx.request_id,
+                                           upstream_path=upstream_path, ctx=ctx)
+
+            reply = await relay_resuming(first, send, timing, resume, reopen, body=body, sent_path=sent_path,
+                                         ctx=ctx)
+        elif relay is None:
             await passthrough(reply, send, timing, shape_error=shape_error)
         else:
             await relay(reply, send, timing)
@@ -208,6 +232,93 @@ async def forward(scope, watch: ClientWatch, send, *, path: str, body: bytes, ca
         if reply is not None:
             reply.abort()
         slot.release()
+
+
+async def relay_resuming(reply: UpstreamReply, send, timing, resume: resuming.Resume, reopen, *, body: bytes,
+                         sent_path: str, ctx: RequestContext) -> UpstreamReply:
+    """`passthrough` for an event stream that may go on on another replica: when the stream breaks
+    (reply.broken) and what it carried can be continued, the request goes again to another
+    replica with that text as the answer's start (serving.proxy.resume), and its events follow
+    as the same stream. Returns the reply relayed last (the caller closes it)."""
+    await send({"type": "http.response.start", "status": reply.status, "headers": [*reply.headers(), timing(0.0)]})
+    current = reply
+    reply.resumable = True
+    tried: set[int] = set()
+    try:
+        while True:
+            async with contextlib.aclosing(current.chunks()) as stream:
+                async for chunk in stream:
+                    if resume.resumes:
+                        chunk = resume.rewrite(chunk, billed_prompt=current.billed_prompt)
+                        if not chunk:
+                            continue
+                    resume.keep(chunk)
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            if current.broken is None:
+                break
+            following = await _resume(current, resume, reopen, tried, body=body, sent_path=sent_path, ctx=ctx)
+            if following is None:
+                await send({"type": "http.response.body", "more_body": True, "body": error_event(
+                    f"The backend stopped before finishing this answer ({current.broken.__class__.__name__}).")})
+                break
+            current = following
+            await send({"type": "http.response.body", "more_body": True,
+                        "body": b": resumed on another replica after the stream broke\n\n"})
+    finally:
+        for one in (reply, current):  # a client that left: each part not yet counted, as a 499
+            if not one.finished:
+                one.abort()
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
+    return current
+
+
+async def _resume(broken: UpstreamReply, resume: resuming.Resume, reopen, tried: set[int], *, body: bytes,
+                  sent_path: str, ctx: RequestContext) -> UpstreamReply | None:
+    """The stream that goes on where `broken` stopped, on another replica; None (with `broken`
+    counted as the failure it is) when it cannot."""
+    model = broken.backend.model_name
+    tried.add(broken.backend.instance_id)
+    broken.backend.mark_down()
+    got = resume.text_so_far()
+    again = None
+    if resume.resumes >= settings.STREAM_RESUME_MAX:
+        why = "limit"
+    elif got is None:
+        why = "not_resumable"
+    else:
+        again = resume.next_body(body, broken.backend.backend, resume.done_text + got[0], resume.carried + got[1])
+        why = "" if again is not None else "not_resumable"
+    following: UpstreamReply | None = None
+    if again is not None:
+        try:
+            following = await reopen(again, tried)
+        except ErrorAnswer:
+            following = None
+        if following is None:
+            why = "no_replica"
+        elif following.status != 200 or not following.is_sse:
+            following.finish(error=f"status_{following.status}", record=False)
+            following, why = None, "failed"
+    if following is None:
+        resuming.count(model, why)
+        broken.finish(error="upstream_broken")  # its row, as a stream that broke
+        return None
+    try:  # the original request's prompt, as the engine counts it: what the whole stream bills
+        billed = await count_prompt_tokens(following.backend, sent_path, body)
+    except BaseException:
+        following.abort()  # the client left meanwhile: `broken` is counted as a 499 by the caller
+        raise
+    text, tokens = got or ("", 0)
+    if resume.ttft_s is None and broken.first_chunk_s is not None:
+        resume.ttft_s = broken.started - ctx.t0 + broken.first_chunk_s
+    resume.begin_resume(text, tokens, following.backend.backend)
+    broken.finish(error="upstream_broken", record=False)  # counted with the stream that goes on
+    following.resumable = True
+    following.upstream_path, following.body = sent_path, body
+    following.carried, following.ttft_s, following.billed_prompt = resume.carried, resume.ttft_s, billed
+    ctx.resumes = resume.resumes
+    resuming.count(model, "resumed")
+    return following
 
 
 def priority(ctx: RequestContext) -> int:

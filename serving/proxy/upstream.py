@@ -124,6 +124,15 @@ class UpstreamReply:
     reader: usage_reader.StreamReader | None = None  # an SSE stream's usage so far
     prompt_tokens: int | None = None  # what a whole (not SSE) answer said
     completion_tokens: int | None = None
+    # A stream that may go on on another replica (serving.proxy.resume): when it breaks, chunks()
+    # ends without its error event and without counting it, `broken` says why, and the relay
+    # resumes or ends it. A resumed stream bills `billed_prompt` (the original request's prompt,
+    # as the engine counts it) and `carried` completion tokens the broken streams streamed.
+    resumable: bool = False
+    broken: BaseException | None = None
+    carried: int = 0
+    billed_prompt: int | None = None
+    ttft_s: float | None = None  # a resumed stream's: the first stream's first token
     _finished: bool = False
 
     @property
@@ -134,6 +143,11 @@ class UpstreamReply:
     def answer_request_id(self) -> str:
         """The X-Request-ID the client gets (the caller's own, else the console's, sent to the backend)."""
         return self.ctx.answer_request_id if self.ctx is not None else self.request_id
+
+    @property
+    def finished(self) -> bool:
+        """Released and counted (or handed on to a resumed stream)."""
+        return self._finished
 
     @property
     def is_sse(self) -> bool:
@@ -258,15 +272,19 @@ class UpstreamReply:
                 return
             log.warning("backend %s broke off request %s: %s", self.backend.base_url, self.request_id, exc)
             timeout = isinstance(exc, http1.UpstreamTimeout)
+            if self.resumable and sse and not timeout:
+                self.broken = exc  # the relay goes on elsewhere, or ends it and counts it
+                return
             self.finish(error="upstream_timeout" if timeout else "upstream_broken")
             if sse and timeout:
-                yield _error_event(str(exc), status=504, code="upstream_timeout")
+                yield error_event(str(exc), status=504, code="upstream_timeout")
             elif sse:
-                yield _error_event(f"The backend stopped before finishing this answer ({exc.__class__.__name__}).")
+                yield error_event(f"The backend stopped before finishing this answer ({exc.__class__.__name__}).")
         finally:
             if clean and kept is not None:
                 self._read_usage(kept[0] if len(kept) == 1 else b"".join(kept))
-            self.finish(cancelled=not clean)
+            if self.broken is None:
+                self.finish(cancelled=not clean)
 
     async def _with_usage_chunk(self, data: bytes) -> bytes:
         """`data` (the stream's last events) with a usage chunk before its `data: [DONE]` when the
@@ -302,15 +320,16 @@ class UpstreamReply:
         log.warning("backend %s sent an SSE event over %d bytes (request %s): stream ended",
                     self.backend.base_url, limit, self.request_id)
         self.finish(error="event_too_large")
-        return _error_event(f"The backend sent an SSE event larger than {limit} bytes; the stream was ended.")
+        return error_event(f"The backend sent an SSE event larger than {limit} bytes; the stream was ended.")
 
-    def finish(self, *, error: str | None = None, cancelled: bool = False) -> None:
+    def finish(self, *, error: str | None = None, cancelled: bool = False, record: bool = True) -> None:
         """Release the connection (closed unless fully read), count the request; idempotent.
 
         A stream whose last event passed is whole: a 200 billed in full, whatever the client did
         after. Otherwise a client that left (499) is billed the prompt the engine processed and the
         tokens streamed so far. Where the engine did not say how many prompt tokens it processed,
-        it is asked to count them and the request is recorded once it has (off the answer's path)."""
+        it is asked to count them and the request is recorded once it has (off the answer's path).
+        `record` False: a stream that goes on on another replica, counted there (the metrics only)."""
         if self._finished:
             return
         self._finished = True
@@ -335,6 +354,15 @@ class UpstreamReply:
         if completion is None:
             completion, console = streamed, console or reader is not None
         first = self.first_chunk_s if self.is_sse and self.first_chunk_s is not None else self.first_byte_s
+        if not record:
+            metrics.record(model=self.backend.model_name, instance_id=self.backend.instance_id, status=status,
+                           duration_s=ended - self.started, first_byte_s=self.first_byte_s, error=error)
+            return
+        if self.carried or self.billed_prompt is not None:  # a resumed stream: every part's tokens, one prompt
+            completion += self.carried
+            console = True
+            if self.billed_prompt is not None:
+                prompt = self.billed_prompt
         if prompt is None:
             if error is None and usage_reader.shape_of(self.upstream_path) in usage_reader.GENERATION_SHAPES:
                 _later(self._count_then_record(status, error, completion, busy, ended, first))
@@ -361,7 +389,8 @@ class UpstreamReply:
         if ctx is not None:
             recorder.record(ctx, model=usage_model(ctx, self.backend), instance_id=self.backend.instance_id,
                             node=self.backend.node, status=status, error=error, prompt_tokens=prompt,
-                            completion_tokens=completion, busy_s=busy, ttft_s=(self.started - ctx.t0) + first,
+                            completion_tokens=completion, busy_s=busy,
+                            ttft_s=self.ttft_s if self.ttft_s is not None else (self.started - ctx.t0) + first,
                             failed=error is not None or (status >= 400 and status != metrics.CLIENT_GONE),
                             ended=ended, usage_source=source)
             if ctx.principal is not None and (prompt or completion):
@@ -499,7 +528,7 @@ def _usage_only(event: bytes) -> bool:
     return isinstance(payload, dict) and bool(payload.get("usage")) and not payload.get("choices")
 
 
-def _error_event(message: str, *, status: int = 502, code: str = "upstream_error") -> bytes:
+def error_event(message: str, *, status: int = 502, code: str = "upstream_error") -> bytes:
     return b"data: " + json.dumps(error_body(message, status=status, code=code)).encode() + b"\n\n"
 
 

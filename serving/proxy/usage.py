@@ -47,9 +47,11 @@ REQUEST_ROWS_MAX = 50_000  # rows held while the database is down; the oldest go
 # 13): the frozen start-up heap did (xgenconsole/asgi.py).
 ROW_FIELDS = ("at", "request_id", "key_id", "key_name", "username", "model", "instance_id", "node", "status",
               "error", "ttft_ms", "duration_ms", "prompt_tokens", "completion_tokens", "stream", "client",
-              "client_request_id", "usage_source", "team_id", "team_slug")
-# A journal record written before the rows named their team (0.3 before the team fields) is 2 shorter.
-ROW_FIELDS_BEFORE_TEAMS = len(ROW_FIELDS) - 2
+              "client_request_id", "usage_source", "team_id", "team_slug", "resumes")
+# A journal record written before the rows named their team (0.3 before the team fields) is 3 shorter,
+# one written before they counted resumed streams 1 shorter.
+ROW_FIELDS_BEFORE_TEAMS = len(ROW_FIELDS) - 3
+ROW_FIELDS_BEFORE_RESUMES = len(ROW_FIELDS) - 1
 GROUPS = {"key": ("key_id", "key_name"), "user": ("username",), "model": ("model",), "node": ("node",),
           "instance": ("instance_id", "model", "node"), "team": ("team_id", "team_slug")}
 
@@ -74,6 +76,7 @@ class RequestContext:
     logged: bool = False
     failed_on: tuple[int, str] | None = None  # (instance id, node) of the replica that failed the request
     route_key: bytes | None = None  # the start of the prompt the replica is chosen by (serving.proxy.prefix)
+    resumes: int = 0  # times its stream went on on another replica (serving.proxy.resume)
 
     @property
     def answer_request_id(self) -> str:
@@ -230,7 +233,7 @@ class UsageRecorder:
             round(ttft_s * 1000, 2) if ttft_s is not None else None,
             round(((time.perf_counter() if ended is None else ended) - ctx.t0) * 1000, 2), prompt_tokens,
             completion_tokens, ctx.stream, ctx.client[:64], ctx.client_request_id, usage_source,
-            (p.team_id or 0) if p else 0, p.team_slug if p else "",
+            (p.team_id or 0) if p else 0, p.team_slug if p else "", ctx.resumes,
         )
 
     def _add(self, row: tuple, hour: int, bucket_instance_id: int, *, failed: bool, busy_s: float) -> None:
@@ -480,8 +483,10 @@ def _replay_segment(name: str, records: list[list]) -> int:
     buckets: dict[BucketKey, _Counts] = {}
     rows: list[tuple] = []
     for record in records:
-        if len(record) == ROW_FIELDS_BEFORE_TEAMS + 4:  # written by the version before (no team fields)
-            record = [*record[:ROW_FIELDS_BEFORE_TEAMS], *_team_of_key(record[2]), *record[ROW_FIELDS_BEFORE_TEAMS:]]
+        if len(record) == ROW_FIELDS_BEFORE_TEAMS + 4:  # written by a version before the team fields
+            record = [*record[:ROW_FIELDS_BEFORE_TEAMS], *_team_of_key(record[2]), 0, *record[ROW_FIELDS_BEFORE_TEAMS:]]
+        elif len(record) == ROW_FIELDS_BEFORE_RESUMES + 4:  # written by a version before resumed streams
+            record = [*record[:ROW_FIELDS_BEFORE_RESUMES], 0, *record[ROW_FIELDS_BEFORE_RESUMES:]]
         if len(record) != len(ROW_FIELDS) + 4:
             log.warning("usage journal %s: a record of %d fields, not %d: skipped", name, len(record),
                         len(ROW_FIELDS) + 4)
@@ -642,6 +647,7 @@ def request_rows(*, key: str | None = None, model: str | None = None, status: in
          "user": r.username, "model": r.model, "instance_id": r.instance_id, "node": r.node, "status": r.status,
          "error": r.error or None, "ttft_ms": r.ttft_ms, "duration_ms": r.duration_ms,
          "prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens, "stream": r.stream,
-         "client": r.client, "client_request_id": r.client_request_id, "usage_source": r.usage_source}
+         "client": r.client, "client_request_id": r.client_request_id, "usage_source": r.usage_source,
+         "resumes": r.resumes}
         for r in page
     ]

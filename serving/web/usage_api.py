@@ -205,6 +205,7 @@ class RequestItem(Schema):
     client_request_id: str = Field("", description="the caller's X-Request-ID ('' when it sent none)")
     usage_source: str = Field("engine", description="who counted the tokens: `engine` (its own usage) or `console` "
                                                   "(the engine's count of the prompt, the tokens streamed)")
+    resumes: int = Field(0, description="times the stream went on on another replica after its own broke")
 
 
 class RequestsOut(Schema):

@@ -17,7 +17,7 @@ from xgenconsole.env import database_from_url
 
 FIELDS = ("request_id", "key_id", "key_name", "username", "model", "instance_id", "node", "status", "error",
           "ttft_ms", "duration_ms", "prompt_tokens", "completion_tokens", "stream", "client", "client_request_id",
-          "usage_source", "team_id", "team_slug")
+          "usage_source", "team_id", "team_slug", "resumes")
 
 
 def _rows() -> list[dict]:
@@ -27,11 +27,12 @@ def _rows() -> list[dict]:
          "model": "smol-ü \"chat\"", "instance_id": 3, "node": "node-a", "status": 200, "error": "",
          "ttft_ms": 12.34, "duration_ms": 56.78, "prompt_tokens": 5, "completion_tokens": 100, "stream": True,
          "client": "10.0.0.1", "client_request_id": "trace 'b'/42", "usage_source": "console", "team_id": 4,
-         "team_slug": "team-a"},
+         "team_slug": "team-a", "resumes": 1},
         {"at": at + 0.000123, "request_id": "req-2", "key_id": 0, "key_name": "", "username": "", "model": "",
          "instance_id": None, "node": "", "status": 429, "error": "rate_limited", "ttft_ms": None,
          "duration_ms": 0.5, "prompt_tokens": 0, "completion_tokens": 0, "stream": False, "client": "",
-         "client_request_id": "", "usage_source": "engine", "team_id": 0, "team_slug": ""},
+         "client_request_id": "", "usage_source": "engine", "team_id": 0, "team_slug": "",
+         "resumes": 0},
     ]
 
 

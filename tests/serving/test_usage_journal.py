@@ -281,8 +281,9 @@ async def test_a_live_web_process_takes_over_a_dead_peers_journal_in_the_same_fo
 
 @pytest.mark.django_db
 def test_a_segment_of_the_version_before_team_fields_replays_under_the_keys_team(tmp_path):
-    """Records written before rows named their team (two fields shorter) are still replayed after an
-    upgrade, charged to the team that owns their key then (what that version would have read)."""
+    """Records written before rows named their team (three fields shorter: no team, no resumes) are
+    still replayed after an upgrade, charged to the team that owns their key then (what that version
+    would have read)."""
     import json
 
     from accounts.services import create_api_key, create_team, create_user
@@ -303,7 +304,37 @@ def test_a_segment_of_the_version_before_team_fields_replays_under_the_keys_team
     old = [json.loads(line) for line in lines]
     at = ROW_FIELDS.index("team_id")
     assert [r[at:at + 2] for r in old] == [[0, ""]]  # the principal named no team
-    (tmp_path / name).write_text("".join(json.dumps(r[:at] + r[at + 2:]) + "\n" for r in old))
+    assert ROW_FIELDS[at:at + 3] == ("team_id", "team_slug", "resumes")
+    (tmp_path / name).write_text("".join(json.dumps(r[:at] + r[at + 3:]) + "\n" for r in old))
     assert replay_journal(tmp_path) == 1
-    assert list(RequestLog.objects.values_list("request_id", "team_id", "team_slug")) == [("old-1", team.pk, "old")]
+    assert list(RequestLog.objects.values_list("request_id", "team_id", "team_slug", "resumes")) == [
+        ("old-1", team.pk, "old", 0)]
     assert list(UsageBucket.objects.values_list("team_id", "team_slug", "prompt_tokens")) == [(team.pk, "old", 2)]
+
+
+@pytest.mark.django_db
+def test_a_segment_of_the_version_before_resumed_streams_replays_with_no_resumes(tmp_path):
+    """Records written before rows counted resumed streams (one field shorter) replay as rows with
+    `resumes` 0; a record of the current length keeps its count."""
+    import json
+
+    from serving.proxy.usage import ROW_FIELDS
+
+    journal = UsageJournal(tmp_path)
+    recorder = UsageRecorder(journal=journal)
+    who = Principal(user_id=1, username="ada", role="viewer", key_id=5, key_name="k")
+    for n, resumes in (("before-1", 0), ("now-1", 2)):
+        ctx = RequestContext(request_id=n, principal=who)
+        ctx.resumes = resumes
+        recorder.record(ctx, model="m", instance_id=3, node="n", status=200, error=None, prompt_tokens=2,
+                        completion_tokens=3, busy_s=0.5, ttft_s=None, failed=False)
+    (name,) = _segments(tmp_path)
+    journal.close()
+    records = [json.loads(line) for line in (tmp_path / name).read_text().splitlines()]
+    at = ROW_FIELDS.index("resumes")
+    assert [r[at] for r in records] == [0, 2]
+    records[0] = records[0][:at] + records[0][at + 1:]  # as the version before wrote it
+    (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert replay_journal(tmp_path) == 2
+    assert sorted(RequestLog.objects.values_list("request_id", "resumes", "prompt_tokens")) == [
+        ("before-1", 0, 2), ("now-1", 2, 2)]
