@@ -10,7 +10,12 @@ prompts interleaved, from 2 clients at once (non-streamed, max_tokens 1: the tim
 the time to the first token). Rounds alternate between the two consoles (prefix, least in flight,
 prefix, ...) and the medians are compared: least in flight's TTFT p50 over prefix's.
 
-    python bench/prefix_routing.py [--rounds 3] [--model PATH.gguf] [--turns 10]
+    python bench/prefix_routing.py [--rounds 3] [--model PATH.gguf] [--turns 10] [--slots 2] [--cache-ram MIB]
+
+`--cache-ram 0` turns off llama-server's host-memory prompt cache, so a replica holds only the
+prompts in its `--slots` (as a GPU's KV cache holds what its memory allows): with 3 slots a replica
+keeps the prompts prefix routing sends it (2 of 4, or 3), where least in flight sends every replica
+all 4 in turn and each turn finds its prompt evicted. By default the engine's own cache stays on.
 """
 from __future__ import annotations
 
@@ -38,7 +43,6 @@ from tests.procs import stop_process  # noqa: E402
 from tests.serving.conftest import set_console_backends  # noqa: E402
 
 PROMPTS = 4
-SLOTS = 2  # per replica: 2 replicas hold the 4 prompts only if each keeps to its own 2
 MODES = ("prefix", "least_inflight")
 
 
@@ -46,7 +50,7 @@ def system_prompt(round_no: int, n: int, rules: int) -> str:
     return f"Policy {round_no}.{n}: " + " ".join(f"rule {n}-{i} applies to case {i * 7 + n}." for i in range(rules))
 
 
-def start(tmp: Path, mode: str, model: Path, threads: int) -> tuple:
+def start(tmp: Path, mode: str, model: Path, threads: int, slots: int, cache_ram: int | None) -> tuple:
     console = start_console(tmp / mode, extra_env={"XGEN_RECONCILE_INTERVAL": "1", "XGEN_ROUTING": mode})
     set_console_backends(console)  # the node offers llama-server (as its agent would detect it)
     key = console.manage("createapikey", "--username", "admin").stdout.strip().splitlines()[-1]
@@ -54,7 +58,8 @@ def start(tmp: Path, mode: str, model: Path, threads: int) -> tuple:
                           trust_env=False)
     r = client.post("/api/management/load", json={
         "model_path": str(model), "model_name": "shared", "backend": "llama-server", "replicas": 2,
-        "extra_args": {"--ctx-size": 2048 * SLOTS, "--threads": threads, "--parallel": SLOTS}})
+        "extra_args": {"--ctx-size": 2048 * slots, "--threads": threads, "--parallel": slots,
+                       **({} if cache_ram is None else {"--cache-ram": cache_ram})}})
     r.raise_for_status()
     deadline = time.monotonic() + 300
     while sum(m["replicas"] for m in client.get("/v1/models").json()["data"] if m["id"] == "shared") < 2:
@@ -89,6 +94,9 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=10)
     parser.add_argument("--model", type=Path, default=None, help="a GGUF (default: the tiny test model)")
     parser.add_argument("--rules", type=int, default=58, help="system prompt length (58: ~1,500 tiny-model tokens)")
+    parser.add_argument("--slots", type=int, default=2, help="llama-server --parallel per replica")
+    parser.add_argument("--cache-ram", type=int, default=None,
+                        help="llama-server --cache-ram MiB (0: prompts cached in the slots only; default: the engine's)")
     args = parser.parse_args()
     from hub.demo import write_tiny_llama_gguf
 
@@ -101,7 +109,7 @@ def main() -> None:
         running = {}
         try:
             for mode in MODES:
-                running[mode] = start(Path(tmp), mode, model, threads)
+                running[mode] = start(Path(tmp), mode, model, threads, args.slots, args.cache_ram)
             for mode in MODES:  # a warm-up round each, not measured (first connections, first batches)
                 one_round(running[mode][1], -1, 2, args.rules)
             for round_no in range(args.rounds):
@@ -119,7 +127,8 @@ def main() -> None:
         return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
     print(f"{PROMPTS} system prompts x {args.turns} turns per round (new prompts each round), 2 clients, "
-          f"2 llama-server replicas x {SLOTS} slots, {threads} threads each on {cores} cores, "
+          f"2 llama-server replicas x {args.slots} slots (--cache-ram {'default' if args.cache_ram is None else args.cache_ram}), "
+          f"{threads} threads each on {cores} cores, "
           f"{'the tiny GGUF' if args.model is None else args.model.name}; medians of {args.rounds} rounds")
     print(f"{'routing':>15} {'TTFT p50':>9} {'TTFT p90':>9} {'reused tokens/round':>20}")
     p50 = {}

@@ -37,7 +37,7 @@ ECHOES = frozenset({"llama-server"})
 SHAPES = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 HEADER = b"x-xgen-resume"
 OFF = frozenset({b"off", b"0", b"false", b"no"})
-KEEP_MAX = 8 << 20  # bytes of a stream's events kept for a resume; past it the stream is not resumed
+KEEP_MAX = 2 << 20  # bytes of a stream's events kept for a resume (~14,000 tokens of chat chunks); past it, not resumed
 LIMIT_KEYS = ("max_tokens", "max_completion_tokens", "n_predict")
 
 

@@ -2,6 +2,7 @@
 processes as separate OS processes, each with its own name and data/cache dirs."""
 from __future__ import annotations
 
+import atexit
 import os
 import secrets
 import signal
@@ -153,10 +154,34 @@ class Cluster:
         return codes
 
 
+_TEMPLATE: list[str] = []
+
+
+def _migrated_template(cluster: Cluster) -> str:
+    """A PostgreSQL database migrated by this tree with the admin user, made once a run: each
+    cluster's database is a copy of it (CREATE DATABASE ... TEMPLATE: 0.09 s, where migrate and
+    createuser took 5.9 s a cluster on a quiet machine). Dropped when the run ends."""
+    if not _TEMPLATE:
+        name = f"xgen_cluster_template_{uuid.uuid4().hex[:10]}"
+        _pg_admin(f'CREATE DATABASE "{name}"')
+        atexit.register(_drop_database, name)
+        env = {"DATABASE_URL": f"{PG_ADMIN_DSN.rsplit('/', 1)[0]}/{name}"}
+        cluster.manage("migrate", "-v0", env=env)
+        cluster.manage("createuser", "--username", "admin", "--role", "admin", "--password", "admin-pass-123", env=env)
+        _TEMPLATE.append(name)
+    return _TEMPLATE[0]
+
+
+def _drop_database(name: str) -> None:
+    try:
+        _pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    except Exception:  # noqa: BLE001 - PostgreSQL gone at exit: nothing to drop
+        pass
+
+
 def create_cluster(root: Path, *, s3_endpoint: str, s3_access: str, s3_secret: str, extra_env: dict | None = None) -> Cluster:
     """A fresh PostgreSQL database and Redis db, migrated, with an admin key; no processes yet."""
     database = f"xgen_cluster_{uuid.uuid4().hex[:10]}"
-    _pg_admin(f'CREATE DATABASE "{database}"')
     redis_db = 1 + int(uuid.uuid4().int % 15)
     import redis
 
@@ -186,8 +211,7 @@ def create_cluster(root: Path, *, s3_endpoint: str, s3_access: str, s3_secret: s
     }
     root.mkdir(parents=True, exist_ok=True)
     cluster = Cluster(root=root, env={**env, "XGEN_DATA_DIR": str(root / "admin")}, database=database, redis_db=redis_db)
-    cluster.manage("migrate", "-v0")
-    cluster.manage("createuser", "--username", "admin", "--role", "admin", "--password", "admin-pass-123")
+    _pg_admin(f'CREATE DATABASE "{database}" TEMPLATE "{_migrated_template(cluster)}"')
     cluster.admin_key = cluster.manage("createapikey", "--username", "admin").stdout.strip()
     return cluster
 
