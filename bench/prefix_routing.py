@@ -60,7 +60,8 @@ def start(tmp: Path, mode: str, model: Path, threads: int, slots: int, cache_ram
         "model_path": str(model), "model_name": "shared", "backend": "llama-server", "replicas": 2,
         "extra_args": {"--ctx-size": 2048 * slots, "--threads": threads, "--parallel": slots,
                        **({} if cache_ram is None else {"--cache-ram": cache_ram})}})
-    r.raise_for_status()
+    if r.status_code != 202:
+        raise RuntimeError(f"{mode}: the load was refused: {r.status_code} {r.text}")
     deadline = time.monotonic() + 300
     while sum(m["replicas"] for m in client.get("/v1/models").json()["data"] if m["id"] == "shared") < 2:
         if time.monotonic() > deadline:

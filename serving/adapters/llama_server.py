@@ -9,6 +9,9 @@ from serving.adapters.base import BOOL, FLOAT, INT, STR, TEMPLATE, BackendAdapte
 
 # From build b6325 (2025-08) `--flash-attn` takes on|off|auto; before it was a bare switch.
 FLASH_ATTN_VALUE_SINCE = 6325
+# From about build b6700 (2025-10, llama.cpp PR 16391) prompts are also cached in host memory,
+# `--cache-ram` MiB of it (default 8192, -1 no limit, 0 off): bounding it bounds the node's memory.
+CACHE_RAM_SINCE = 6700
 
 
 def predates(version: str, build: int) -> bool:
@@ -83,6 +86,8 @@ class LlamaServer(BackendAdapter):
             flags["--flash-attn"] = BOOL
         else:
             flags["--flash-attn"] = "choice:on|off|auto"
+        if not predates(version, CACHE_RAM_SINCE):
+            flags["--cache-ram"] = INT
         return flags
 
     def build_command(self, spec: LaunchSpec) -> list[str]:

@@ -115,6 +115,11 @@ def test_llama_server_embedding_cpu_and_flags_by_build():
     assert ls.normalize_extra_args({"--flash-attn": "on"}, "b6500") == {"--flash-attn": "on"}
     with pytest.raises(InvalidExtraArgs, match="--flash-attn needs a value"):
         ls.normalize_extra_args({"--flash-attn": True}, "b6500")
+    # --cache-ram (the host-memory prompt cache, MiB) from about b6700; the builds here say 0.5.0 (build 0)
+    assert ls.normalize_extra_args({"--cache-ram": 0}, "0.5.0-dev (build 0, commit 0c1e570)") == {"--cache-ram": 0}
+    assert ls.normalize_extra_args({"--cache-ram": 1024}, "b6800") == {"--cache-ram": 1024}
+    with pytest.raises(InvalidExtraArgs, match="--cache-ram"):
+        ls.normalize_extra_args({"--cache-ram": 0}, "b6500")
     cmd = ls.build_command(spec(model_file=GGUF, model_name="t", gpus=(0,), gpu_type="NVIDIA", flavour="cuda",
                                 extra_args={"--n-gpu-layers": 20, "--ctx-size": 4096}))
     assert "-ngl" not in cmd and cmd[cmd.index("--n-gpu-layers") + 1] == "20"
