@@ -49,6 +49,13 @@ def served_console(tmp_path_factory) -> Iterator[tuple[Console, int]]:
             assert reply.status_code == 200, reply.text
             yield c, pk
             client.post("/api/management/unload", json={"id": pk})
+            # The unload ends before the stop. A SIGTERM while the agent was still stopping it (its
+            # state changes published from worker threads) once left the console's exit hung until
+            # stop_process's SIGKILL (a clean-clone run, 2026-12-06): a defect of its own, in the note.
+            deadline = time.monotonic() + 30
+            while client.get(f"/api/management/instances/{pk}").json()["state"] != "STOPPED":
+                assert time.monotonic() < deadline, c.log[-3000:]
+                time.sleep(0.2)
     finally:
         code = stop_process(c.proc, timeout=30)
         assert code == 0, f"console exited with {code}:\n{c.log[-3000:]}"
