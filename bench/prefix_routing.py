@@ -56,17 +56,22 @@ def start(tmp: Path, mode: str, model: Path, threads: int, slots: int, cache_ram
     key = console.manage("createapikey", "--username", "admin").stdout.strip().splitlines()[-1]
     client = httpx.Client(base_url=console.url, headers={"Authorization": f"Bearer {key}"}, timeout=300,
                           trust_env=False)
-    r = client.post("/api/management/load", json={
-        "model_path": str(model), "model_name": "shared", "backend": "llama-server", "replicas": 2,
-        "extra_args": {"--ctx-size": 2048 * slots, "--threads": threads, "--parallel": slots,
-                       **({} if cache_ram is None else {"--cache-ram": cache_ram})}})
-    if r.status_code != 202:
-        raise RuntimeError(f"{mode}: the load was refused: {r.status_code} {r.text}")
-    deadline = time.monotonic() + 300
-    while sum(m["replicas"] for m in client.get("/v1/models").json()["data"] if m["id"] == "shared") < 2:
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{mode}: never 2 READY replicas")
-        time.sleep(0.2)
+    try:  # a console that cannot serve the model is stopped here: the caller never holds it
+        r = client.post("/api/management/load", json={
+            "model_path": str(model), "model_name": "shared", "backend": "llama-server", "replicas": 2,
+            "extra_args": {"--ctx-size": 2048 * slots, "--threads": threads, "--parallel": slots,
+                           **({} if cache_ram is None else {"--cache-ram": cache_ram})}})
+        if r.status_code != 202:
+            raise RuntimeError(f"{mode}: the load was refused: {r.status_code} {r.text}")
+        deadline = time.monotonic() + 300
+        while sum(m["replicas"] for m in client.get("/v1/models").json()["data"] if m["id"] == "shared") < 2:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{mode}: never 2 READY replicas")
+            time.sleep(0.2)
+    except BaseException:
+        client.close()
+        stop_process(console.proc, timeout=60)
+        raise
     return console, client
 
 
