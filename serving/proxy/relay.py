@@ -17,8 +17,8 @@ from serving.proxy import resume as resuming
 from serving.proxy.replicas import Backend
 from serving.proxy.upstream import (
     UpstreamReply,
+    broken_event,
     count_prompt_tokens,
-    error_event,
     open_upstream,
     record_abandoned,
 )
@@ -202,8 +202,6 @@ async def forward(scope, watch: ClientWatch, send, *, path: str, body: bytes, ca
             return server_timing(started, reply, excluded_s=excluded_s)
 
         if relay is None and resume is not None and reply.status == 200 and reply.is_sse:
-            first = reply
-
             async def reopen(again: bytes, tried: set[int]) -> UpstreamReply | None:
                 others = [b for b in candidates if b.instance_id not in tried]
                 if not others:
@@ -212,7 +210,7 @@ async def forward(scope, watch: ClientWatch, send, *, path: str, body: bytes, ca
                                            candidates=others, headers=scope["headers"], request_id=ctx.request_id,
                                            upstream_path=upstream_path, ctx=ctx)
 
-            reply = await relay_resuming(first, send, timing, resume, reopen, body=body, sent_path=sent_path,
+            reply = await relay_resuming(reply, send, timing, resume, reopen, body=body, sent_path=sent_path,
                                          ctx=ctx)
         elif relay is None:
             await passthrough(reply, send, timing, shape_error=shape_error)
@@ -258,8 +256,7 @@ async def relay_resuming(reply: UpstreamReply, send, timing, resume: resuming.Re
                 break
             following = await _resume(current, resume, reopen, tried, body=body, sent_path=sent_path, ctx=ctx)
             if following is None:
-                await send({"type": "http.response.body", "more_body": True, "body": error_event(
-                    f"The backend stopped before finishing this answer ({current.broken.__class__.__name__}).")})
+                await send({"type": "http.response.body", "more_body": True, "body": broken_event(current.broken)})
                 break
             current = following
             await send({"type": "http.response.body", "more_body": True,

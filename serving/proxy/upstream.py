@@ -277,9 +277,9 @@ class UpstreamReply:
                 return
             self.finish(error="upstream_timeout" if timeout else "upstream_broken")
             if sse and timeout:
-                yield error_event(str(exc), status=504, code="upstream_timeout")
+                yield _error_event(str(exc), status=504, code="upstream_timeout")
             elif sse:
-                yield error_event(f"The backend stopped before finishing this answer ({exc.__class__.__name__}).")
+                yield broken_event(exc)
         finally:
             if clean and kept is not None:
                 self._read_usage(kept[0] if len(kept) == 1 else b"".join(kept))
@@ -320,7 +320,7 @@ class UpstreamReply:
         log.warning("backend %s sent an SSE event over %d bytes (request %s): stream ended",
                     self.backend.base_url, limit, self.request_id)
         self.finish(error="event_too_large")
-        return error_event(f"The backend sent an SSE event larger than {limit} bytes; the stream was ended.")
+        return _error_event(f"The backend sent an SSE event larger than {limit} bytes; the stream was ended.")
 
     def finish(self, *, error: str | None = None, cancelled: bool = False, record: bool = True) -> None:
         """Release the connection (closed unless fully read), count the request; idempotent.
@@ -528,8 +528,13 @@ def _usage_only(event: bytes) -> bool:
     return isinstance(payload, dict) and bool(payload.get("usage")) and not payload.get("choices")
 
 
-def error_event(message: str, *, status: int = 502, code: str = "upstream_error") -> bytes:
+def _error_event(message: str, *, status: int = 502, code: str = "upstream_error") -> bytes:
     return b"data: " + json.dumps(error_body(message, status=status, code=code)).encode() + b"\n\n"
+
+
+def broken_event(exc: BaseException) -> bytes:
+    """The error event that ends a stream its backend broke off."""
+    return _error_event(f"The backend stopped before finishing this answer ({exc.__class__.__name__}).")
 
 
 def _event_end(data: bytes) -> int:
