@@ -4,11 +4,16 @@ survives a channel layer that is down (Redis restarting) by trying again later."
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
+import os
 import time
-from typing import Any
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
 
 log = logging.getLogger("xgen.live.groups")
+
+T = TypeVar("T")
 
 LAYER_TIMEOUT_S = 5.0  # a layer call that hangs (Redis restarting) must not stall its caller's loop
 SEND_TIMEOUT_S = 2.0  # a message is a hint (every receiver also polls): never wait long to send one
@@ -34,11 +39,49 @@ async def send(group: str, message: dict[str, Any]) -> bool:
         return False
 
 
-def send_sync(group: str, message: dict[str, Any]) -> bool:
-    """`send` for synchronous callers (not on an event loop thread)."""
-    from asgiref.sync import async_to_sync
+def call_on_main_loop(fn: Callable[..., Coroutine[Any, Any, T]], *args: Any, timeout: float,
+                      default: T, **kwargs: Any) -> T:
+    """`async_to_sync(fn)(*args, **kwargs)` that never waits past `timeout` seconds.
 
-    return async_to_sync(send)(group, message)
+    A worker thread that sync_to_async started (run_db's, Django's) runs `fn` on its main event
+    loop. asgiref's async_to_sync waits for that with no bound, so when the loop stops (a SIGTERM
+    during an unload) before it runs the task, the thread waits forever and the process's exit waits
+    on the thread (seen: a console up until its SIGKILL 30 s later). Here the wait is bounded, and a
+    loop that no longer runs is not asked at all: `default` is the answer then. A thread with no
+    main loop (a management command, a plain thread) runs `fn` on a loop of its own, as before.
+    """
+    from asgiref.sync import SyncToAsync, async_to_sync
+
+    loop = getattr(SyncToAsync.threadlocal, "main_event_loop", None)
+    if loop is None or getattr(SyncToAsync.threadlocal, "main_event_loop_pid", None) != os.getpid():
+        return async_to_sync(fn)(*args, **kwargs)
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        pass
+    else:  # on an event loop's own thread: waiting here would block the loop it waits for
+        raise RuntimeError("call_on_main_loop() cannot be used from an event loop's thread; await it")
+    if loop.is_closed() or not loop.is_running():
+        log.debug("%s skipped: the event loop has stopped", getattr(fn, "__name__", fn))
+        return default
+    try:
+        future = asyncio.run_coroutine_threadsafe(fn(*args, **kwargs), loop)
+    except RuntimeError:  # the loop closed between the check and the call
+        return default
+    try:
+        return future.result(timeout=timeout)
+    except concurrent.futures.TimeoutError:
+        future.cancel()
+        log.warning("%s did not run within %.0f s (the event loop is stopping or blocked)",
+                    getattr(fn, "__name__", fn), timeout)
+        return default
+    except concurrent.futures.CancelledError:  # the loop cancelled it on its way out
+        return default
+
+
+def send_sync(group: str, message: dict[str, Any]) -> bool:
+    """`send` for synchronous callers (not on an event loop thread); False when it could not be sent."""
+    return call_on_main_loop(send, group, message, timeout=SEND_TIMEOUT_S + 2.0, default=False)
 GROUP_RENEW_S = 300.0  # channels-redis forgets a group member after its group_expiry
 
 
@@ -145,4 +188,4 @@ class GroupListener:
             receiver.close()
 
 
-__all__ = ["GroupListener", "LAYER_TIMEOUT_S", "Receiver", "send", "send_sync"]
+__all__ = ["GroupListener", "LAYER_TIMEOUT_S", "Receiver", "call_on_main_loop", "send", "send_sync"]
