@@ -103,6 +103,7 @@ def interleaved(model: Path, runs: int, data: Path, engines: list[str]) -> dict[
         api = httpx.Client(base_url=f"{console.url}/api/management", headers={"Authorization": f"Bearer {key}"},
                            timeout=10, trust_env=False)
         out = {e: {"health": [], "warm": [], "console": []} for e in engines}
+        asked: dict[int, tuple[str, float]] = {}  # instance id: (engine, when its load was posted)
         for i in range(runs):
             for engine in engines:
                 healthy, warm = by_hand(engine, rows[engine], model, i)
@@ -113,6 +114,7 @@ def interleaved(model: Path, runs: int, data: Path, engines: list[str]) -> dict[
                                             "backend": engine})
                 r.raise_for_status()
                 iid = r.json()["id"]
+                asked[iid] = (engine, start)
                 while True:
                     state = api.get(f"/instances/{iid}").json()
                     if state["state"] == "READY":
@@ -126,9 +128,32 @@ def interleaved(model: Path, runs: int, data: Path, engines: list[str]) -> dict[
                 api.post("/unload", json={"id": iid}).raise_for_status()
                 while api.get(f"/instances/{iid}").json()["state"] != "STOPPED":
                     time.sleep(0.1)
+        out["phases"] = phases(console, asked)
         return out
     finally:
         stop_process(console.proc, timeout=30)
+
+
+PHASES = ("PENDING", "CACHING", "LOADING", "WARMING", "READY")
+
+
+def phases(console, asked: dict[int, tuple[str, float]]) -> dict[str, dict[str, list[float]]]:
+    """Where the console's load time goes, per engine: seconds from the load's POST to the row's
+    first event (PENDING) and between each state and the next, from the instances' timelines."""
+    code = ("import json; from serving.models import InstanceEvent as E; print(json.dumps([(e.instance_id, "
+            f"e.to_state, e.at.timestamp()) for e in E.objects.filter(instance_id__in={sorted(asked)!r})"
+            ".order_by('at', 'pk')]))")
+    rows = json.loads(console.manage("shell", "-v", "0", "-c", code).stdout.strip().splitlines()[-1])
+    out: dict[str, dict[str, list[float]]] = {}
+    for iid, (engine, posted) in asked.items():
+        seen: dict[str, float] = {}
+        for row_id, state, at in rows:
+            if row_id == iid and state in PHASES and state not in seen:
+                seen[state] = at
+        marks = [("POST", posted)] + [(state, seen[state]) for state in PHASES if state in seen]
+        for (a, t0), (b, t1) in zip(marks, marks[1:], strict=False):
+            out.setdefault(engine, {}).setdefault(f"{a}->{b}", []).append(t1 - t0)
+    return out
 
 
 def main() -> None:
@@ -149,11 +174,15 @@ def main() -> None:
     print(f"runs: {args.runs} per engine, interleaved, tiny GGUF, on the CPU; medians")
     print(f"{'engine':<18} {'by hand: health':>16} {'by hand: +warm-up':>18} {'console: load->READY':>21}"
           f" {'overhead':>10} {'ratio':>6} {'vs health':>10}")
+    phase_times = results.pop("phases")
     for engine, r in results.items():
         h, w, c = (statistics.median(r[k]) for k in ("health", "warm", "console"))
         print(f"{engine:<18} {ms(r['health']):>16} {ms(r['warm']):>18} {ms(r['console']):>21}"
               f" {(c - w) * 1000:+8.0f} ms {c / w:5.2f}x {c / h:9.2f}x")
     print("overhead and ratio: console against by hand with the same warm-up; 'vs health': against health only")
+    print("where the console's time goes (medians; the engine's own start and warm-up are in LOADING and WARMING):")
+    for engine, steps in phase_times.items():
+        print(f"  {engine:<18} " + "  ".join(f"{step} {statistics.median(v) * 1000:.0f} ms" for step, v in steps.items()))
 
 
 if __name__ == "__main__":

@@ -67,4 +67,9 @@ class LlamaCppPythonServer(BackendAdapter):
         extra = self.extra_argv(spec)
         if spec.gpus and "--n_gpu_layers" not in extra:
             cmd += ["--n_gpu_layers", "-1"]
+        if "--interrupt_requests" not in extra:
+            # Its default (true) ends the answer being streamed whenever another request arrives:
+            # 3 of 4 concurrent chats came back 200 with a role chunk and [DONE], no text
+            # (bench/engines.py). Requests then wait their turn instead (one answers at a time).
+            cmd += ["--interrupt_requests", "false"]
         return cmd + extra

@@ -21,19 +21,27 @@ CPU = "CPU"
 GPU_LABEL = {"NVIDIA": "NVIDIA", "AMD_CDNA": "AMD CDNA (Instinct)", "AMD_RDNA": "AMD RDNA (Radeon)", CPU: "CPU-only"}
 
 # Preference per (format, GPU type): (backend, flavour) in order; the first the node has wins.
+# llama-server comes before llama-cpp-python for the same flavour: it is llama.cpp's own server,
+# the faster of the two on the CPU (bench/engines.py; the README has the figures) and the one with
+# every route (/v1/messages, /v1/responses, /v1/rerank, /tokenize, /slots). llama-cpp-python stays the
+# fallback: where llama-server is not built, or fails to start (serving.control.starts).
 PREFERENCES: dict[tuple[str, str], list[tuple[str, str]]] = {
     (GGUF, "NVIDIA"): [("llama-server", "cuda"), ("llama-server", "vulkan"), ("llama-cpp-python", "cuda"),
-                       ("llama-cpp-python", "cpu"), ("llama-server", "cpu")],
+                       ("llama-server", "cpu"), ("llama-cpp-python", "cpu")],
     (GGUF, "AMD_CDNA"): [("llama-server", "rocm"), ("llama-server", "vulkan"), ("llama-cpp-python", "rocm"),
-                         ("llama-cpp-python", "cpu"), ("llama-server", "cpu")],
+                         ("llama-server", "cpu"), ("llama-cpp-python", "cpu")],
     (GGUF, "AMD_RDNA"): [("llama-server", "vulkan"), ("llama-server", "rocm"), ("llama-cpp-python", "vulkan"),
-                         ("llama-cpp-python", "cpu"), ("llama-server", "cpu")],
-    (GGUF, CPU): [("llama-cpp-python", "cpu"), ("llama-server", "cpu")],
+                         ("llama-server", "cpu"), ("llama-cpp-python", "cpu")],
+    (GGUF, CPU): [("llama-server", "cpu"), ("llama-cpp-python", "cpu")],
     (HUGGINGFACE, "NVIDIA"): [("vllm", "cuda")],
     (HUGGINGFACE, "AMD_CDNA"): [("vllm", "rocm")],
     (HUGGINGFACE, "AMD_RDNA"): [],
     (HUGGINGFACE, CPU): [],
 }
+
+# Why the table's first choice for a GGUF on the CPU is llama-server (the verdict says it).
+LLAMA_SERVER_ON_CPU_WHY = ("llama.cpp's own server: faster than llama-cpp-python on the CPU and it serves "
+                           "every route (/v1/messages, /v1/responses, /v1/rerank, /tokenize)")
 
 # Flavours that use the GPU (a CPU flavour on a GPU node runs without one).
 GPU_FLAVOURS = {"cuda", "rocm", "vulkan"}
@@ -82,7 +90,7 @@ def _impossible(fmt: str, gpu_type: str) -> str | None:
                 "load a GGUF of this model instead (llama-server with Vulkan serves it on RDNA).")
     if fmt == HUGGINGFACE and gpu_type == CPU:
         return ("a Hugging Face (safetensors) model needs vLLM on an NVIDIA or AMD CDNA GPU, and this node "
-                "has no GPU; load a GGUF of this model instead (llama-cpp-python serves it on the CPU).")
+                "has no GPU; load a GGUF of this model instead (llama-server or llama-cpp-python serves it on the CPU).")
     return None
 
 
@@ -189,6 +197,8 @@ def choose_backend(*, fmt: str, gpu_type: str, backends: list[dict], requested: 
         fmt_label = "GGUF" if fmt == GGUF else "Hugging Face (safetensors)"
         if (name, flavour) == first:
             reason = f"{fmt_label} on {gpu_label} -> {name} ({flavour})"
+            if (name, flavour) == ("llama-server", "cpu"):
+                reason += f": {LLAMA_SERVER_ON_CPU_WHY}"
         else:
             reason = (f"{fmt_label} on {gpu_label} -> {name} ({flavour}): {first[0]} ({first[1]}) "
                       f"is not installed on {node_name}")

@@ -48,7 +48,7 @@ def ab_cluster(tmp_path_factory, s3_server, tiny_gguf) -> Iterator[tuple[Cluster
         with c.api("a") as client:
             r = client.post("/api/management/load", json={"model_path": "gguf/tiny-ab", "model_name": MODEL,
                                                           "node": "node-a", "max_concurrency": 1,
-                                                          "extra_args": {"--n_ctx": 4096}})
+                                                          "backend": "llama-cpp-python", "extra_args": {"--n_ctx": 4096}})
             assert r.status_code == 202, r.text
             deadline = time.monotonic() + 120
             while (inst := client.get(f"/api/management/instances/{r.json()['id']}").json())["state"] != "READY":
@@ -57,7 +57,7 @@ def ab_cluster(tmp_path_factory, s3_server, tiny_gguf) -> Iterator[tuple[Cluster
             for web in ("a", "b"):  # an on_demand model a web process's request cold-starts
                 r = client.post("/api/management/load", json={"model_path": "gguf/tiny-ab", "node": "node-a",
                                                               "model_name": f"{MODEL}-od-{web}", "policy": "on_demand",
-                                                              "idle_ttl_s": 0, "extra_args": {"--n_ctx": 4096}})
+                                                              "idle_ttl_s": 0, "backend": "llama-cpp-python", "extra_args": {"--n_ctx": 4096}})
                 assert r.status_code == 202 and r.json()["state"] == "IDLE", r.text
         for web in ("a", "b"):  # both routing tables hold them
             deadline = time.monotonic() + 20

@@ -47,7 +47,7 @@ def small_cluster(tmp_path_factory, s3_server, tiny_gguf) -> Iterator[Cluster]:
         with c.api("a") as client:
             r = client.post("/api/management/load", json={"model_path": "gguf/tiny-queue", "model_name": "tiny-q",
                                                           "node": "node-a", "max_concurrency": 1,
-                                                          "extra_args": {"--n_ctx": 4096}})
+                                                          "backend": "llama-cpp-python", "extra_args": {"--n_ctx": 4096}})
             assert r.status_code == 202, r.text
             deadline = time.monotonic() + 120
             while client.get(f"/api/management/instances/{r.json()['id']}").json()["state"] != "READY":

@@ -31,7 +31,7 @@ def test_load_on_a_node_through_one_web_process_and_unload_through_another(clust
                                                   "model_name": "tiny-cluster"})
         assert r.status_code == 202, r.text
         body = r.json()
-        assert body["node"] == "node-a" and body["backend"] == "llama-cpp-python"
+        assert body["node"] == "node-a" and body["backend"] == "llama-server"  # the CPU default where built
         inst = _wait(a, body["id"], {"READY", "ERROR"})
         assert inst["state"] == "READY", inst
         assert (cluster.root / "node-a" / "cache" / "gguf" / "tiny-cluster").is_dir()

@@ -49,7 +49,7 @@ def wk_cluster(tmp_path_factory, s3_server, tiny_gguf) -> Iterator[Cluster]:
         c.manage("hub_upload", str(tiny_gguf), "--format", "gguf", "--name", MODEL)
         with c.api("b") as client:
             r = client.post("/api/management/load", json={"model_path": f"gguf/{MODEL}", "model_name": MODEL,
-                                                          "node": "node-a", "extra_args": {"--n_ctx": 4096}})
+                                                          "node": "node-a", "backend": "llama-cpp-python", "extra_args": {"--n_ctx": 4096}})
             assert r.status_code == 202, r.text
             deadline = time.monotonic() + 120
             while (inst := client.get(f"/api/management/instances/{r.json()['id']}").json())["state"] != "READY":

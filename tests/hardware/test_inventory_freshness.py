@@ -120,7 +120,7 @@ async def test_a_load_just_after_an_agent_start_waits_for_its_probe_and_readyz_w
         assert not plan.done()  # waiting for the probe, not planning on the previous run's backends
         held.release.set()
         planned = await asyncio.wait_for(plan, 60)
-        assert planned.launch.version != "0.0.1-previous-run" and planned.launch.backend == "llama-cpp-python"
+        assert planned.launch.version != "0.0.1-previous-run" and planned.launch.backend == "llama-server"
         await asyncio.wait_for(agent.started.wait(), 60)
         node = await Node.objects.aget(name=name)
         assert node.inventory_run == agent.run_id

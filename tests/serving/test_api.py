@@ -31,7 +31,8 @@ def test_load_answers_202_with_the_choice(client: Client, node, operator, tiny_g
                          "replica", "replicas", "replicas_wanted", "partial", "refused"}  # issue 30
     assert (body["policy"], body["pinned"], body["max_concurrency"]) == ("always", False, None)
     assert body["state"] == "PENDING" and body["backend"] == "llama-cpp-python" and body["node"] == NODE
-    assert body["gpus"] == [] and body["backend_reason"] == "GGUF on CPU-only -> llama-cpp-python (cpu) (on node-t)"
+    assert body["gpus"] == [] and body["backend_reason"] == (
+        "GGUF on CPU-only -> llama-cpp-python (cpu): llama-server (cpu) is not installed on node-t (on node-t)")
     one = client.get(f"/api/management/instances/{body['id']}", **bearer(operator.key)).json()
     for field in ("state", "error", "port", "pid", "restarts", "ready_at", "log_tail"):
         assert field in one

@@ -1,7 +1,7 @@
 """The embedded default's demo chat model (SmolLM2-135M-Instruct, from its wheel) answers in English.
 
 The only test with XGEN_DEMO_MODEL=true and a real model: a console puts the model in its store
-on first start, loads it on the CPU default and answers a question through the proxy.
+on first start, loads it on the CPU default (llama-server where it is built) and answers a question through the proxy.
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def test_the_demo_chat_model_answers_an_english_question(tmp_path):
                 break
             time.sleep(0.5)
         assert r.status_code == 202, r.text
-        assert r.json()["backend"] == "llama-cpp-python", "the CPU default serves the demo"
+        assert r.json()["backend"] == "llama-server", "the CPU default (llama-server, built here) serves the demo"
         url = f"{c.url}/api/management/instances/{r.json()['id']}"
         inst = wait_api(url, key, lambda b: b["state"] in ("READY", "ERROR"), timeout=180)
         assert inst["state"] == "READY", inst

@@ -24,6 +24,7 @@ pytestmark = pytest.mark.django_db(transaction=True)
 def _load(path, name, **kw):
     from serving.control.services import request_load
 
+    kw.setdefault("backend", "llama-cpp-python")  # these tests read its argv (--n_ctx)
     return request_load(model_path=str(path), model_name=name, **kw)
 
 
@@ -47,7 +48,7 @@ async def test_the_agent_launches_the_stored_plan(agent, tiny_gguf):
     from serving.control.planning import plan_load
 
     def create():
-        plan = plan_load(model_path=str(tiny_gguf), model_name="from-plan")
+        plan = plan_load(model_path=str(tiny_gguf), model_name="from-plan", backend="llama-cpp-python")
         launch = plan.launch.to_json()
         launch["argv"] += ["--n_ctx", "256"]  # only the stored plan says so: the agent must not decide again
         return ModelInstance.create_requested(

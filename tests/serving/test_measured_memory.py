@@ -16,6 +16,7 @@ pytestmark = pytest.mark.django_db(transaction=True)
 def _load(path, name, **kw):
     from serving.control.services import request_load
 
+    kw.setdefault("backend", "llama-cpp-python")  # measured with its --n_ctx
     return request_load(model_path=str(path), model_name=name, **kw)
 
 
@@ -25,7 +26,7 @@ async def test_a_ready_backend_is_measured_and_the_next_plan_uses_it(agent, tiny
     from serving.control.planning import plan_load
     from serving.control.services import request_unload
 
-    first = await sync_to_async(plan_load)(model_path=str(tiny_gguf), model_name="m1", extra_args={"--n_ctx": 256})
+    first = await sync_to_async(plan_load)(model_path=str(tiny_gguf), model_name="m1", backend="llama-cpp-python", extra_args={"--n_ctx": 256})
     assert not first.estimate.measured
     inst = await sync_to_async(_load)(tiny_gguf, "measured", extra_args={"--n_ctx": 256})
     agent.nudge()
@@ -46,18 +47,19 @@ async def test_a_ready_backend_is_measured_and_the_next_plan_uses_it(agent, tiny
         body = c.get(f"/api/management/instances/{inst.pk}", **bearer(operator.key)).json()
         c.force_login(operator.user)
         return body, c.get(f"/instances/{inst.pk}/").content.decode(), \
-            c.get("/instances/new/verdict", {"model_path": str(tiny_gguf), "extra_args": "--n_ctx 256"}).content.decode()
+            c.get("/instances/new/verdict", {"model_path": str(tiny_gguf), "backend": "llama-cpp-python",
+                                             "extra_args": "--n_ctx 256"}).content.decode()
 
     body, page, verdict = await sync_to_async(api_and_page)()
     assert body["memory"] == {"estimate_mib": inst.estimated_memory_mib, "measured_mib": inst.measured_memory_mib,
                               "measured_source": "rss"}
     assert f"measured {inst.measured_memory_mib} MiB" in page
     # The same shape again: the plan, the dialog and placement take the measured figure.
-    again = await sync_to_async(plan_load)(model_path=str(tiny_gguf), model_name="m2", extra_args={"--n_ctx": 256})
+    again = await sync_to_async(plan_load)(model_path=str(tiny_gguf), model_name="m2", backend="llama-cpp-python", extra_args={"--n_ctx": 256})
     assert again.estimate.total_mib == inst.measured_memory_mib
     assert again.estimate.measured.startswith(f"measured {inst.measured_memory_mib} MiB on {NODE}")
     assert f"measured {inst.measured_memory_mib} MiB on {NODE}" in verdict
-    other = await sync_to_async(plan_load)(model_path=str(tiny_gguf), model_name="m3", extra_args={"--n_ctx": 512})
+    other = await sync_to_async(plan_load)(model_path=str(tiny_gguf), model_name="m3", backend="llama-cpp-python", extra_args={"--n_ctx": 512})
     assert not other.estimate.measured  # another context size is another shape
 
     await sync_to_async(request_unload)(instance=inst)

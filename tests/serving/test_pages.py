@@ -199,10 +199,11 @@ def test_the_verdict_lists_every_backend_the_default_first_with_why(node, operat
     node.save()
     html = logged_in(operator).get("/instances/new/verdict", {"model_path": str(tiny_gguf)}).content.decode()
     rows = re.findall(r'data-backend="([\w-]+)"><strong>[\w-]+</strong>(.*?)</li>', html, re.S)
-    assert [name for name, _ in rows] == ["llama-cpp-python", "llama-server", "vllm"]
+    assert [name for name, _ in rows] == ["llama-server", "llama-cpp-python", "vllm"]
     text = {name: " ".join(rest.split()) for name, rest in rows}
-    assert "default" in text["llama-cpp-python"] and "GGUF on CPU-only -&gt; llama-cpp-python" in text["llama-cpp-python"]
-    assert "can run it if chosen" in text["llama-server"]
+    assert "default" in text["llama-server"] and "GGUF on CPU-only -&gt; llama-server" in text["llama-server"]
+    assert "faster than llama-cpp-python on the CPU" in text["llama-server"]  # the verdict says why
+    assert "can run it if chosen" in text["llama-cpp-python"]
     assert "(cannot)" in text["vllm"] and "vllm cannot serve a gguf model" in text["vllm"]
 
 

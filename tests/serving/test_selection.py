@@ -27,7 +27,7 @@ def expected(fmt: str, gpu: str, have: set) -> tuple[str, str] | None:
         "AMD_CDNA": [("llama-server", "rocm"), ("llama-server", "vulkan")],
         "AMD_RDNA": [("llama-server", "vulkan"), ("llama-server", "rocm")],
         "CPU": [],
-    }[gpu] + [("llama-cpp-python", "cpu"), ("llama-server", "cpu")]
+    }[gpu] + [("llama-server", "cpu"), ("llama-cpp-python", "cpu")]  # llama-server first on the CPU too
     return next((p for p in order if p in have), None)
 
 
@@ -53,6 +53,8 @@ def test_every_case_of_the_table(fmt, gpu):
         choice = choose_backend(fmt=fmt, gpu_type=gpu, backends=entries(have), node_name="node-a")
         assert (choice.backend, choice.flavour) == want, (fmt, gpu, have, choice)
         assert choice.reason and choice.backend in choice.reason
+        if want == ("llama-server", "cpu") and gpu == "CPU":
+            assert "faster than llama-cpp-python" in choice.reason  # the verdict says why
 
 
 def test_unavailable_backends_are_ignored():
@@ -90,4 +92,7 @@ def test_explicit_backend_is_validated():
                        requested="vllm", node_name="n")
     with pytest.raises(BackendUnavailable, match="built for rocm"):
         choose_backend(fmt="huggingface", gpu_type="NVIDIA", backends=entries({("vllm", "rocm")}), requested="vllm")
-    assert choose_backend(fmt="gguf", gpu_type="CPU", backends=full, requested="auto").backend == "llama-cpp-python"
+    assert choose_backend(fmt="gguf", gpu_type="CPU", backends=full, requested="auto").backend == "llama-server"
+    only_python = entries({("llama-cpp-python", "cpu")})
+    fallback = choose_backend(fmt="gguf", gpu_type="CPU", backends=only_python, node_name="n")
+    assert fallback.backend == "llama-cpp-python" and "llama-server (cpu) is not installed on n" in fallback.reason

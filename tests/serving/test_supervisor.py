@@ -191,7 +191,7 @@ async def test_crash_beyond_the_restart_limit_stays_in_error(agent, tiny_gguf, s
 async def test_a_backend_that_is_not_healthy_in_time_is_stopped_with_an_error(agent, tiny_gguf, serving_settings):
     # Far below the interpreter's own start-up time: the health check cannot answer in time.
     serving_settings.LOAD_TIMEOUT_LLAMA_S = 0.05
-    inst = await sync_to_async(_load)(tiny_gguf, "tiny-slow", fallback=False)  # (llama-server may be in time)
+    inst = await sync_to_async(_load)(tiny_gguf, "tiny-slow", backend="llama-cpp-python")  # llama-server may be in time
     inst = await wait_state(inst.pk, {InstanceState.ERROR}, timeout=30)
     assert inst.state_message == "llama-cpp-python did not answer /v1/models within 0.05 s"
     assert inst.pid is None and inst.restarts == 0
