@@ -224,3 +224,48 @@ def test_each_backend_requires_the_instance_secret_never_seen_in_its_argv():
         assert secret not in " ".join(argv)
         assert not {"--api-key", "--api_key", "--api-key-file"} & set(adapter.allowed_flags("")), \
             f"{name}: no extra argument may set or replace the secret"
+
+
+def test_llama_cpp_python_answers_concurrent_chats_each_in_full(tiny_gguf, tmp_path):
+    """With the adapter's argv, requests wait their turn: llama-cpp-python's own default
+    (interrupt_requests true) ended the answer being streamed whenever another request came, and
+    3 of 4 concurrent chats came back 200 with a role chunk and [DONE], no text."""
+    import asyncio
+    import json
+    import os
+    import subprocess
+
+    import httpx
+
+    from tests.procs import free_port, stop_process, wait_http
+
+    lcp = get_adapter("llama-cpp-python")
+    launch = spec(model_file=tiny_gguf, model_name="tiny", port=free_port())
+    cmd = lcp.build_command(launch)
+    assert cmd[cmd.index("--interrupt_requests") + 1] == "false"
+    overridden = lcp.build_command(spec(extra_args={"--interrupt_requests": True}))
+    assert overridden.count("--interrupt_requests") == 1 and overridden[overridden.index("--interrupt_requests") + 1] == "true"
+    with open(tmp_path / "engine.log", "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=lcp.build_env(launch, dict(os.environ)))
+    try:
+        wait_http(f"http://127.0.0.1:{launch.port}/v1/models", proc=proc, timeout=60)
+
+        async def chat(client: httpx.AsyncClient) -> str:
+            body = {"model": "tiny", "stream": True, "max_tokens": 16, "temperature": 0,
+                    "messages": [{"role": "user", "content": "hello"}]}
+            text = ""
+            async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+                assert r.status_code == 200
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {"):
+                        text += json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+            return text
+
+        async def four() -> list[str]:
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{launch.port}", timeout=120) as client:
+                return await asyncio.gather(*(chat(client) for _ in range(4)))
+
+        answers = asyncio.run(four())
+        assert all(answers) and len(set(answers)) == 1, answers  # temperature 0: the same text, four times
+    finally:
+        stop_process(proc)
