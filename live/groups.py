@@ -41,19 +41,22 @@ async def send(group: str, message: dict[str, Any]) -> bool:
 
 def call_on_main_loop(fn: Callable[..., Coroutine[Any, Any, T]], *args: Any, timeout: float,
                       default: T, **kwargs: Any) -> T:
-    """`async_to_sync(fn)(*args, **kwargs)` that never waits past `timeout` seconds.
+    """`async_to_sync(fn)(*args, **kwargs)` that never waits past `timeout` seconds on another loop.
 
     A worker thread that sync_to_async started (run_db's, Django's) runs `fn` on its main event
-    loop. asgiref's async_to_sync waits for that with no bound, so when the loop stops (a SIGTERM
-    during an unload) before it runs the task, the thread waits forever and the process's exit waits
-    on the thread (seen: a console up until its SIGKILL 30 s later). Here the wait is bounded, and a
-    loop that no longer runs is not asked at all: `default` is the answer then. A thread with no
-    main loop (a management command, a plain thread) runs `fn` on a loop of its own, as before.
+    loop. asgiref's async_to_sync waits for that with no bound, and when that loop has stopped
+    without closing (a SIGTERM during an unload) it waits forever: the process's exit then waited
+    on the thread (seen: a console up until its SIGKILL 30 s later). Here the wait on a running
+    main loop is bounded (`default` after `timeout`), and a thread whose main loop is not running
+    (stopped, closed, or left behind by an async_to_sync that ended) runs `fn` on a loop of its
+    own, as a thread with no main loop does.
     """
     from asgiref.sync import SyncToAsync, async_to_sync
 
     loop = getattr(SyncToAsync.threadlocal, "main_event_loop", None)
-    if loop is None or getattr(SyncToAsync.threadlocal, "main_event_loop_pid", None) != os.getpid():
+    if getattr(SyncToAsync.threadlocal, "main_event_loop_pid", None) != os.getpid():
+        loop = None
+    if loop is None:
         return async_to_sync(fn)(*args, **kwargs)
     try:
         asyncio.get_running_loop()
@@ -62,12 +65,11 @@ def call_on_main_loop(fn: Callable[..., Coroutine[Any, Any, T]], *args: Any, tim
     else:  # on an event loop's own thread: waiting here would block the loop it waits for
         raise RuntimeError("call_on_main_loop() cannot be used from an event loop's thread; await it")
     if loop.is_closed() or not loop.is_running():
-        log.debug("%s skipped: the event loop has stopped", getattr(fn, "__name__", fn))
-        return default
+        return asyncio.run(fn(*args, **kwargs))
     try:
         future = asyncio.run_coroutine_threadsafe(fn(*args, **kwargs), loop)
     except RuntimeError:  # the loop closed between the check and the call
-        return default
+        return asyncio.run(fn(*args, **kwargs))
     try:
         return future.result(timeout=timeout)
     except concurrent.futures.TimeoutError:

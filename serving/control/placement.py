@@ -55,35 +55,23 @@ def _kv_mib(n_layers: int, ctx: int, n_embd: int, n_head: int, n_head_kv: int, b
     return int(2 * n_layers * ctx * kv_dim * bytes_per / MIB)
 
 
+ARCH_KEYS = {"n_layers": "block_count", "ctx": "context_length", "n_embd": "embedding_length",
+             "n_head": "attention.head_count", "n_head_kv": "attention.head_count_kv"}
+
+
 def gguf_header(path: Path) -> dict:
-    """n_layers, context length, embedding size and heads from a GGUF header ({} if unreadable)."""
-    try:
-        from gguf import GGUFReader
+    """n_layers, context length, embedding size and heads from a GGUF header ({} if unreadable).
+    Read by hub.ggufmeta, which stops once it has them (gguf-py's reader parsed the whole
+    vocabulary first: 4.1-4.7 s on the demo model, on every load)."""
+    from hub.ggufmeta import read_metadata
 
-        reader = GGUFReader(str(path), "r")
-    except Exception:
+    meta = read_metadata(path, ["general.architecture"],
+                         also=lambda found: [f"{found['general.architecture']}.{k}" for k in ARCH_KEYS.values()]
+                         if "general.architecture" in found else [])
+    if not meta:
         return {}
-
-    def field(name: str):
-        f = reader.fields.get(name)
-        if f is None or not f.data:
-            return None
-        value = f.parts[f.data[0]]
-        try:
-            return value.tolist()[0] if hasattr(value, "tolist") else value
-        except Exception:
-            return None
-
-    arch_field = reader.fields.get("general.architecture")
-    arch = bytes(arch_field.parts[arch_field.data[0]]).decode() if arch_field else "llama"
-    out = {
-        "arch": arch,
-        "n_layers": field(f"{arch}.block_count"),
-        "ctx": field(f"{arch}.context_length"),
-        "n_embd": field(f"{arch}.embedding_length"),
-        "n_head": field(f"{arch}.attention.head_count"),
-        "n_head_kv": field(f"{arch}.attention.head_count_kv"),
-    }
+    arch = str(meta.get("general.architecture") or "llama")
+    out = {"arch": arch, **{name: meta.get(f"{arch}.{key}") for name, key in ARCH_KEYS.items()}}
     return {k: v for k, v in out.items() if v is not None}
 
 

@@ -197,8 +197,8 @@ def choose_backend(*, fmt: str, gpu_type: str, backends: list[dict], requested: 
         fmt_label = "GGUF" if fmt == GGUF else "Hugging Face (safetensors)"
         if (name, flavour) == first:
             reason = f"{fmt_label} on {gpu_label} -> {name} ({flavour})"
-            if (name, flavour) == ("llama-server", "cpu"):
-                reason += f": {LLAMA_SERVER_ON_CPU_WHY}"
+            if (name, flavour) == ("llama-server", "cpu") and server_type in ADAPTERS["llama-cpp-python"].server_types:
+                reason += f": {LLAMA_SERVER_ON_CPU_WHY}"  # why not the other engine that could serve it
         else:
             reason = (f"{fmt_label} on {gpu_label} -> {name} ({flavour}): {first[0]} ({first[1]}) "
                       f"is not installed on {node_name}")

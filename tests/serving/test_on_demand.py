@@ -177,7 +177,7 @@ def test_a_request_for_b_evicts_idle_a_and_a_pinned_model_is_never_evicted(od, t
         # The API says the same for a clicked load: 409 does_not_fit with the numbers.
         clicked = httpx.post(f"{od.url}/api/management/load", headers=od.auth, timeout=30,
                              json={"model_path": str(tiny_gguf), "model_name": "od-clicked",
-                                   "extra_args": {"--n_ctx": 1024}})  # a shape never measured: the estimate
+                                   "extra_args": {"--ctx-size": 1024}})  # a shape never measured: the estimate
         assert clicked.status_code == 409 and clicked.json()["error"]["code"] == "does_not_fit", clicked.text
         assert '"needed_mib": ' in clicked.json()["error"]["message"]
     finally:

