@@ -160,18 +160,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=7)
     parser.add_argument("--engines", default=",".join(ENGINES))
+    parser.add_argument("--demo", action="store_true", help="the demo chat model (SmolLM2-135M, from its cached "
+                                                            "wheel) instead of the tiny GGUF")
     args = parser.parse_args()
     engines = [e for e in args.engines.split(",") if e]
     from hub.demo import write_tiny_llama_gguf
 
     with tempfile.TemporaryDirectory(prefix="xgen-bench-") as tmp:
-        model = write_tiny_llama_gguf(Path(tmp) / "tiny.gguf")
+        if args.demo:
+            from engines import demo_model  # bench/engines.py
+
+            model = demo_model(Path(tmp))
+        else:
+            model = write_tiny_llama_gguf(Path(tmp) / "tiny.gguf")
         results = interleaved(model, args.runs, Path(tmp) / "console", engines)
 
     def ms(xs: list[float]) -> str:
         return f"{statistics.median(xs) * 1000:6.0f} ms"
 
-    print(f"runs: {args.runs} per engine, interleaved, tiny GGUF, on the CPU; medians")
+    print(f"runs: {args.runs} per engine, interleaved, {'the demo model' if args.demo else 'tiny GGUF'}, on the CPU; "
+          "medians")
     print(f"{'engine':<18} {'by hand: health':>16} {'by hand: +warm-up':>18} {'console: load->READY':>21}"
           f" {'overhead':>10} {'ratio':>6} {'vs health':>10}")
     phase_times = results.pop("phases")
