@@ -84,13 +84,15 @@ def run_round_robin_proxy(port: int, upstream_ports: list[int]) -> None:
 
 
 async def streamed_chats(url: str, headers: dict, model: str, *, n: int, concurrency: int, tokens: int
-                         ) -> tuple[float, list[float]]:
-    """(generated tokens/s over the batch, TTFTs in s) of `n` streamed chats at `concurrency`."""
+                         ) -> tuple[float, list[float], list[tuple[float, float]]]:
+    """(generated tokens/s over the batch, TTFTs in s, the console's Server-Timing (its own ms, the
+    backend's first byte in ms) where the answer has one) of `n` streamed chats at `concurrency`."""
     import aiohttp
 
     body = json.dumps({"model": model, "stream": True, "max_tokens": tokens,
                        "messages": [{"role": "user", "content": "tell me a story"}]}).encode()
     ttfts: list[float] = []
+    timings: list[tuple[float, float]] = []
     generated = 0
     left = n
 
@@ -102,6 +104,9 @@ async def streamed_chats(url: str, headers: dict, model: str, *, n: int, concurr
             first = None
             async with session.post(url, data=body, headers={**headers, "Content-Type": "application/json"}) as r:
                 assert r.status == 200, (r.status, await r.text())
+                parts = dict(p.strip().split(";dur=") for p in r.headers.get("server-timing", "").split(",") if ";dur=" in p)
+                if "upstream" in parts:
+                    timings.append((float(parts["proxy"]), float(parts["upstream"])))
                 async for line in r.content:
                     if not line.startswith(b"data: {"):
                         continue
@@ -115,7 +120,7 @@ async def streamed_chats(url: str, headers: dict, model: str, *, n: int, concurr
         start = time.perf_counter()
         await asyncio.gather(*(worker(session) for _ in range(concurrency)))
         wall = time.perf_counter() - start
-    return generated / wall, ttfts
+    return generated / wall, ttfts, timings
 
 
 def pct(values: list[float], q: float) -> float:
@@ -214,11 +219,14 @@ def main() -> None:
         figures = {}
         for who in ("console", "by hand"):
             runs = results[(who, replicas)]
-            rate = statistics.median(r for r, _ in runs)
-            p50 = statistics.median(pct(t, 0.5) for _, t in runs) * 1000
-            p90 = statistics.median(pct(t, 0.9) for _, t in runs) * 1000
+            rate = statistics.median(r for r, _, _ in runs)
+            p50 = statistics.median(pct(t, 0.5) for _, t, _ in runs) * 1000
+            p90 = statistics.median(pct(t, 0.9) for _, t, _ in runs) * 1000
             figures[who] = rate
-            print(f"{replicas:>8} {who:>8} {rate:>9.1f} {p50:>7.0f}ms {p90:>7.0f}ms")
+            timed = [t for _, _, ts in runs for t in ts]
+            split = (f"   the console's own time p50 {statistics.median(p for p, _ in timed):.1f} ms, the backend's first "
+                     f"byte p50 {statistics.median(u for _, u in timed):.1f} ms (Server-Timing)") if timed else ""
+            print(f"{replicas:>8} {who:>8} {rate:>9.1f} {p50:>7.0f}ms {p90:>7.0f}ms{split}")
         print(f"{'':>8} console / by hand: {figures['console'] / figures['by hand']:.1%}")
 
 

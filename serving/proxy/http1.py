@@ -47,6 +47,16 @@ READ_HIGH = 1 << 20  # unread answer bytes past which the connection stops readi
 MAX_HEAD_BYTES = 64 * 1024  # an answer's head (interim 1xx heads included); more is refused
 MAX_HEADERS = 100  # header (or trailer) fields in one answer
 PEEK_IDLE_S = 1.0  # a pooled connection idle longer than this is polled for the backend's close before reuse
+# llama-server (cpp-httplib) closes the connection right after every chunked (streamed) answer,
+# though its head says Keep-Alive: its content provider returns false once it called done(), and
+# the server takes that for a failed write (measured: EOF 0.01-0.06 ms after the 0-size chunk).
+# A request reusing the connection before the loop saw that close was read by no one and came back
+# 502 (1 in ~800 streams in the replica tests, and in bench/replicas.py). So a connection whose
+# last answer was chunked is polled before reuse (the FIN is in the kernel by then), and a backend
+# seen closing a connection within this long of a chunked answer gets no such connection pooled
+# again (the process remembers it by address).
+CLOSES_AFTER_CHUNKED_S = 0.5
+KNOWN_CLOSERS_MAX = 4096
 TICK_S = 1.0  # how often the waits of the connections in use are checked
 SAFE_TARGET_RE = re.compile(r"[!-~]*")  # printable ASCII without spaces: sent as it is
 TCP_IDLE_S = 30  # keepalive probes after this much silence on a backend connection
@@ -106,7 +116,7 @@ class Response:
     """A backend's answer: status and headers at once, the body as it arrives."""
 
     __slots__ = ("status", "headers", "content_type", "content_length", "keep_alive", "_conn", "_chunks",
-                 "_size", "_complete", "_error", "_waiter", "_until_close", "unsupported_coding")
+                 "_size", "_complete", "_error", "_waiter", "_until_close", "unsupported_coding", "chunked")
 
     def __init__(self, conn: _Connection, status: int, headers: list[tuple[bytes, bytes]], keep_alive: bool) -> None:
         self.status = status
@@ -127,7 +137,7 @@ class Response:
                 coding = value if coding is None else coding + b"," + value
             elif name == b"connection":
                 named = [*(named or ()), *value.lower().split(b",")]
-        chunked = coding is not None and coding.strip().lower() == b"chunked"
+        self.chunked = chunked = coding is not None and coding.strip().lower() == b"chunked"
         # Any other coding (gzip, or chunked after another) would reach the client still encoded.
         self.unsupported_coding = coding is not None and not chunked
         if named is not None:  # hop-by-hop by the backend's own word (RFC 9110 7.6.1): not the client's
@@ -242,6 +252,7 @@ class _Connection(asyncio.Protocol):
         self.opened_at = time.monotonic()
         self.requests = 0  # sent on this connection, the current one included
         self.answered_at = 0.0  # monotonic time the last answer's final byte was read (0: not yet)
+        self.last_chunked = False  # the last answer came chunked (see CLOSES_AFTER_CHUNKED_S)
         self.waiter: asyncio.Future[Response] | None = None  # the next answer's headers
         self.response: Response | None = None
         self.received = False  # any byte of the current answer
@@ -297,7 +308,10 @@ class _Connection(asyncio.Protocol):
                                       f"(chunk extensions or trailers)."))
 
     def connection_lost(self, exc: Exception | None) -> None:
+        by_backend = not self.closed  # close() marks the closes that are ours
         self.closed = True
+        if by_backend and self.waiter is None and self.response is None:
+            self.pool.learn_close(self)
         self.pool.forget(self)
         reason = f": {exc}" if exc else ""
         if self.waiter is not None:
@@ -364,6 +378,7 @@ class _Connection(asyncio.Protocol):
             self.close()
             return
         response = Response(self, status, headers, self.parser.should_keep_alive())
+        self.last_chunked = response.chunked
         if response.unsupported_coding:
             self._fail(Broken("The backend's answer has a transfer coding other than chunked."))
             return
@@ -463,14 +478,27 @@ class _HostPool:
         while idle:
             conn = idle.pop()
             if conn.closed or conn.transport.is_closing() or conn.idle_since < deadline or (
-                    conn.idle_since < now - PEEK_IDLE_S and conn.peer_closed()):
+                    (conn.last_chunked or conn.idle_since < now - PEEK_IDLE_S) and conn.peer_closed()):
+                self.learn_close(conn)
                 conn.close()
                 continue
             self.in_use.add(conn)
             return conn
         return None
 
+    def learn_close(self, conn: _Connection) -> None:
+        """An idle connection found closed by the backend: right after a chunked answer, this
+        backend closes after every one (remembered for its address)."""
+        if conn.last_chunked and conn.answered_at and time.monotonic() - conn.answered_at < CLOSES_AFTER_CHUNKED_S:
+            closers = self.client.closes_after_chunked
+            if self.key not in closers and len(closers) >= KNOWN_CLOSERS_MAX:
+                closers.clear()  # addresses come and go (ports reused): forget, learn again
+            closers.add(self.key)
+
     def put(self, conn: _Connection) -> None:
+        if conn.last_chunked and self.key in self.client.closes_after_chunked:
+            conn.close()  # the backend closes it anyway: not a connection to send the next request on
+            return
         self.in_use.discard(conn)
         # Idle since the backend's last byte, not since the reader let go: a stream relayed to a slow
         # client comes back late, and the backend's keep-alive clock ran from its last write.
@@ -548,6 +576,7 @@ class Client:
         self.closed = False
         self._pools: dict[str, _HostPool] = {}
         self._ticker: asyncio.TimerHandle | None = None
+        self.closes_after_chunked: set[str] = set()  # backend addresses seen closing after chunked answers
 
     def _pool(self, base_url: str) -> _HostPool:
         pool = self._pools.get(base_url)

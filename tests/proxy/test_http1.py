@@ -665,3 +665,39 @@ async def test_keepalive_counts_from_the_backends_last_byte_not_from_the_readers
         assert len(requests) == 2
     finally:
         listener.close()
+
+
+def _chunked_answer(*, close_after: bool):
+    """A streamed answer; `close_after`: the connection closed right after its 0-size chunk, with a
+    Keep-Alive head, as llama-server (cpp-httplib) does after every streamed answer."""
+    async def answer(request, writer):
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n"
+                     b"Keep-Alive: timeout=5, max=100\r\n\r\n7\r\ndata: 1\r\n0\r\n\r\n")
+        await writer.drain()
+        return "close" if close_after else None
+    return answer
+
+
+async def test_a_backend_that_closes_after_each_stream_never_gets_a_request_on_a_closed_connection(client):
+    """Each request follows the last answer at once (llama-server's replicas under load): before,
+    the connection went back to the pool and the next request went out on it as the backend closed
+    it (a 502 the client could not retry). Now a connection whose last answer was chunked is polled
+    before reuse, and once the backend was seen closing after one, such connections are not pooled."""
+    async with Backend(_chunked_answer(close_after=True)) as backend:
+        for _ in range(30):
+            response = await client.post(backend.url, "/v1/chat/completions", b"{}", b"")
+            assert b"".join([c async for c in response.iter_any()]) == b"data: 1"
+            response.release()
+        assert len(backend.requests) == 30 and backend.connections == 30
+        assert backend.url in client.closes_after_chunked
+        assert client.stats() == (0, 0)  # nothing pooled that the backend closes anyway
+
+
+async def test_a_backend_that_keeps_streamed_connections_keeps_its_pool(client):
+    async with Backend(_chunked_answer(close_after=False)) as backend:
+        for _ in range(5):
+            response = await client.post(backend.url, "/v1/chat/completions", b"{}", b"")
+            assert b"".join([c async for c in response.iter_any()]) == b"data: 1"
+            response.release()
+        assert backend.connections == 1 and client.closes_after_chunked == set()
+        assert client.stats() == (1, 0)
