@@ -62,7 +62,13 @@ def test_load_watch_chat_unload(demo_console, page):
     page.locator("#log .line", has_text=STARTED).first.wait_for()
     lines_before = page.locator("#log .line").count()
 
-    # Reading up pauses the follow; new lines then do not yank the view back down.
+    # Reading up pauses the follow; new lines then do not yank the view back down. llama-server's
+    # log at READY is short (16-22 lines, about the 360 px box: a clean CI run met one that fit, so
+    # there was nothing to scroll up to): the box is made 120 px high here, so it overflows.
+    page.locator("#log").evaluate("el => { el.style.height = '120px'; el.scrollTop = el.scrollHeight; }")
+    page.wait_for_function("() => { const el = document.getElementById('log');"
+                           " return el.scrollHeight - el.clientHeight > 48; }")
+    lines_before = page.locator("#log .line").count()
     page.locator("#log").evaluate("el => { el.scrollTop = 0; el.dispatchEvent(new Event('scroll')); }")
     page.locator("#log-follow").get_by_text("paused").wait_for()
     page.fill("#prompt", "hello there")
