@@ -17,6 +17,7 @@ T = TypeVar("T")
 
 LAYER_TIMEOUT_S = 5.0  # a layer call that hangs (Redis restarting) must not stall its caller's loop
 SEND_TIMEOUT_S = 2.0  # a message is a hint (every receiver also polls): never wait long to send one
+SYNC_SEND_WAIT_S = SEND_TIMEOUT_S + 2.0  # a sync caller's wait for a send on the main loop (call_on_main_loop)
 
 
 async def send(group: str, message: dict[str, Any]) -> bool:
@@ -64,12 +65,13 @@ def call_on_main_loop(fn: Callable[..., Coroutine[Any, Any, T]], *args: Any, tim
         pass
     else:  # on an event loop's own thread: waiting here would block the loop it waits for
         raise RuntimeError("call_on_main_loop() cannot be used from an event loop's thread; await it")
+    coro = fn(*args, **kwargs)
     if loop.is_closed() or not loop.is_running():
-        return asyncio.run(fn(*args, **kwargs))
+        return asyncio.run(coro)
     try:
-        future = asyncio.run_coroutine_threadsafe(fn(*args, **kwargs), loop)
+        future = asyncio.run_coroutine_threadsafe(coro, loop)
     except RuntimeError:  # the loop closed between the check and the call
-        return asyncio.run(fn(*args, **kwargs))
+        return asyncio.run(coro)
     try:
         return future.result(timeout=timeout)
     except concurrent.futures.TimeoutError:
@@ -83,7 +85,9 @@ def call_on_main_loop(fn: Callable[..., Coroutine[Any, Any, T]], *args: Any, tim
 
 def send_sync(group: str, message: dict[str, Any]) -> bool:
     """`send` for synchronous callers (not on an event loop thread); False when it could not be sent."""
-    return call_on_main_loop(send, group, message, timeout=SEND_TIMEOUT_S + 2.0, default=False)
+    return call_on_main_loop(send, group, message, timeout=SYNC_SEND_WAIT_S, default=False)
+
+
 GROUP_RENEW_S = 300.0  # channels-redis forgets a group member after its group_expiry
 
 

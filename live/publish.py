@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 import re
 
-from live.groups import SEND_TIMEOUT_S, call_on_main_loop, send, send_sync
+from live.groups import SYNC_SEND_WAIT_S, call_on_main_loop, send, send_sync
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +24,7 @@ async def publish(group: str, html: str, *, key: str | None = None) -> None:
 
 def publish_sync(group: str, html: str, *, key: str | None = None) -> None:
     """`publish` for synchronous callers."""
-    call_on_main_loop(publish, group, html, key=key, timeout=SEND_TIMEOUT_S + 2.0, default=None)
+    call_on_main_loop(publish, group, html, key=key, timeout=SYNC_SEND_WAIT_S, default=None)
 
 
 def user_group(user_id: int) -> str:
