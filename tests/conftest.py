@@ -343,6 +343,8 @@ SLOW_PATHS = (
     "tests/hardware/test_detectors.py::test_the_torch_device_reader_on_the_real_torch",
     "tests/hub/test_api.py::test_the_index_of_a_thousand_models_refreshes_and_pages",
     "tests/hub/test_cache.py::test_a_sync_in_another_process_and_one_here_transfer_once",
+    "tests/hub/test_ggufmeta.py::test_the_demo_model_reads_as_the_library_reads_it",  # 4.9 s: GGUFReader's own read
+    "tests/serving/test_adapters.py::test_llama_cpp_python_answers_concurrent_chats_each_in_full",  # a real engine
     "tests/hub/test_cache.py::test_a_sync_killed_half_way_leaves_nothing_that_passes_as_complete",
     "tests/hub/test_cache.py::test_a_verified_copy_loads_while_the_store_is_down",
     "tests/hub/test_cache.py::test_big_files_go_up_in_parts_and_come_back_verified",
