@@ -111,6 +111,8 @@ class ModelInstance(models.Model):
     gpus = models.JSONField(default=list, blank=True)  # [index, ...] on the node
     tensor_parallel_size = models.IntegerField(default=1)
     extra_args = models.JSONField(default=dict, blank=True)
+    preset = models.JSONField(null=True, blank=True, help_text="the engine preset applied at load, as it was then: "
+                              "{name, settings} (issue 27 #3); its flags come before extra_args")
     plan = models.JSONField(null=True, blank=True, help_text="the LaunchPlan made when the load was requested")
     autostart = models.BooleanField(
         default=False, help_text="started when its node agent starts (and /readyz waits for it); the rest stay "
@@ -413,6 +415,31 @@ class ModelDeployment(models.Model):
     @property
     def autoscaling(self) -> bool:
         return self.target_in_flight is not None and self.target_in_flight > 0
+
+
+class EnginePreset(models.Model):
+    """A model's named engine settings (issue 27 #3), chosen in the Load dialog or by the load's
+    `preset`; portable fields that each engine gets as its own flags (serving.control.presets),
+    held against the engine version's flags at save (every version the nodes report) and at load.
+    One preset of a model may be its default: a load that names none gets it."""
+
+    model_path = models.CharField(max_length=1024, help_text="the store prefix or absolute path it is for")
+    name = models.CharField(max_length=64)
+    engine_settings = models.JSONField(default=dict, help_text="serving.control.presets.FIELDS")
+    is_default = models.BooleanField(default=False, help_text="applied to a load of the model that names none")
+    updated_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL)
+    updated_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["model_path", "name"]
+        constraints = [
+            models.UniqueConstraint(fields=["model_path", "name"], name="one_preset_name_per_model"),
+            models.UniqueConstraint(fields=["model_path"], condition=models.Q(is_default=True),
+                                    name="one_default_preset_per_model"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.model_path}: {self.name}"
 
 
 class ScalingDecision(models.Model):

@@ -7,6 +7,7 @@ urlpatterns = [
     path("instances/", views.instances_page, name="instances"),
     path("instances/new/", views.load_page, name="instance-load"),
     path("instances/new/verdict", views.load_verdict, name="instance-load-verdict"),
+    path("instances/presets/", views.presets_page, name="presets"),
     path("instances/<int:pk>/", views.instance_detail, name="instance-detail"),
     path("instances/<int:pk>/log", views.instance_log, name="instance-log"),
     path("instances/<int:pk>/playground", views.playground, name="instance-playground"),

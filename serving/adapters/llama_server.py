@@ -12,6 +12,9 @@ FLASH_ATTN_VALUE_SINCE = 6325
 # From about build b6700 (2025-10, llama.cpp PR 16391) prompts are also cached in host memory,
 # `--cache-ram` MiB of it (default 8192, -1 no limit, 0 off): bounding it bounds the node's memory.
 CACHE_RAM_SINCE = 6700
+# `--reasoning-format none|deepseek` (thoughts kept in the text, or split into reasoning_content) came
+# with llama.cpp PR 11607 (February 2025, about build b4800; `auto`, the default now, later).
+REASONING_FORMAT_SINCE = 4800
 
 
 def predates(version: str, build: int) -> bool:
@@ -88,6 +91,8 @@ class LlamaServer(BackendAdapter):
             flags["--flash-attn"] = "choice:on|off|auto"
         if not predates(version, CACHE_RAM_SINCE):
             flags["--cache-ram"] = INT
+        if not predates(version, REASONING_FORMAT_SINCE):
+            flags["--reasoning-format"] = "choice:none|deepseek|auto"
         return flags
 
     def build_command(self, spec: LaunchSpec) -> list[str]:

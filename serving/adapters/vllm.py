@@ -48,6 +48,11 @@ COMMON_FLAGS = {
     "--chat-template": TEMPLATE,
     "--tokenizer-mode": STR,
     "--revision": STR,
+    # Engine presets (issue 27 #3): tool calls, reasoning and speculative decoding (in every recorded --help).
+    "--enable-auto-tool-choice": BOOL,
+    "--tool-call-parser": STR,
+    "--reasoning-parser": STR,
+    "--speculative-config": STR,
 }
 
 

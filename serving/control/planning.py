@@ -28,6 +28,7 @@ from hub.imports import HubInputError, LoadSource, check_load_path
 from hub.models import ModelArtifact
 from hub.paths import InvalidPrefix, validate_prefix
 from serving.adapters import InvalidExtraArgs, LaunchSpec, get_adapter
+from serving.control import presets
 from serving.control.lora import check_adapters
 from serving.control.placement import (
     MemoryEstimate,
@@ -177,6 +178,7 @@ class LaunchPlan:
     fallback: bool = False  # may another backend be tried when this one fails to come up
     fell_back_from: str = ""  # the backend that failed first (a plan falls back once)
     adapters: tuple[dict, ...] = ()  # LoRA adapters ({name, path, scale}) in the argv (issue 27)
+    preset: dict | None = None  # the engine preset applied ({name, settings}, issue 27 #3) and its flags
 
     @property
     def is_embedding(self) -> bool:
@@ -278,7 +280,8 @@ def make_launch_plan(*, node: Node, source: ModelSource, model_name: str, server
                      gpus: list[int] | None, tensor_parallel_size: int | None, extra_args: dict | None,
                      placed_gpus: list[int] | None = None, node_type: str | None = None,
                      avoid_gpus: frozenset[int] = frozenset(),
-                     adapters: list[dict] | None = None) -> tuple[LaunchPlan, MemoryEstimate, dict]:
+                     adapters: list[dict] | None = None,
+                     preset: dict | None = None) -> tuple[LaunchPlan, MemoryEstimate, dict]:
     """The one place a load is decided: (plan, estimate, normalized extra_args); raises LoadRefused.
 
     The backend is chosen here and nowhere else on the load path (`choose_backend`: the one entry,
@@ -288,7 +291,9 @@ def make_launch_plan(*, node: Node, source: ModelSource, model_name: str, server
     fallback) are taken as they are, without a new fit check, by a backend that uses the GPU (a
     CPU build keeps none). `node_type`: the node's GPU type when the caller has it (a plan made
     again), else read here. `avoid_gpus`: GPUs of the node that another replica of the model holds
-    (a replica never shares one)."""
+    (a replica never shares one). `preset`: the engine preset ({name, settings}) whose flags, as
+    the chosen engine takes them, come before extra_args (serving.control.presets); the normalized
+    extra_args returned are the load's own, without the preset's."""
     node_type = node_type or _gpu_type_of(node)
     try:
         choice = choose_backend(fmt=source.fmt, gpu_type=node_type, backends=node.backends,
@@ -303,10 +308,15 @@ def make_launch_plan(*, node: Node, source: ModelSource, model_name: str, server
         extra = adapter.normalize_extra_args(extra_args, choice.version)
     except InvalidExtraArgs as exc:
         raise LoadRefused(400, str(exc), code="invalid_extra_args") from None
+    try:
+        preset_flags = presets.applied(choice.backend, choice.version, preset)
+    except presets.PresetInvalid as exc:
+        raise LoadRefused(400, str(exc), code="invalid_preset") from None
+    run_args = {**preset_flags, **extra}  # the load's own extra_args win over its preset's
     tp = tensor_parallel_size or 1
     if tp < 1 or tp > 64:
         raise LoadRefused(400, "tensor_parallel_size must be 1..64")
-    ctx = next((extra[f] for f in CTX_FLAGS if extra.get(f)), None)
+    ctx = next((run_args[f] for f in CTX_FLAGS if run_args.get(f)), None)
     estimate = estimate_memory(source.local_path, fmt=source.fmt, size_bytes=source.size_bytes,
                                ctx=int(ctx) if ctx else None)
     estimate = with_measurement(estimate, model_path=source.model_path, backend=f"{choice.backend} ({choice.flavour})",
@@ -335,7 +345,7 @@ def make_launch_plan(*, node: Node, source: ModelSource, model_name: str, server
     spec = LaunchSpec(
         model_file=Path(MODEL_SLOT), model_name=model_name, server_type=server_type, host=bind_host(node.address),
         port=PORT_SLOT, gpus=tuple(chosen), gpu_type=gpu_type, flavour=choice.flavour, version=choice.version,
-        executable=choice.path, python=PYTHON_SLOT, tensor_parallel_size=tp, extra_args=extra,
+        executable=choice.path, python=PYTHON_SLOT, tensor_parallel_size=tp, extra_args=run_args,
         extra_args_checked=True, api_key_file=KEY_FILE_SLOT,
         adapters=tuple((a["name"], a["path"], float(a.get("scale", 1.0))) for a in adapters or ()),
     )
@@ -345,6 +355,7 @@ def make_launch_plan(*, node: Node, source: ModelSource, model_name: str, server
         gpu_type=gpu_type, gpus=tuple(chosen), tensor_parallel_size=tp, argv=tuple(adapter.build_command(spec)),
         env=adapter.env_additions(spec), host=spec.host, estimate_mib=estimate.total_mib,
         estimate_detail=estimate.detail, reason=choice.reason, fit=fit, adapters=tuple(adapters or ()),
+        preset={**preset, "flags": preset_flags} if preset else None,
     )
     return plan, estimate, extra
 
@@ -382,7 +393,7 @@ def pick_node(name: str | None) -> Node:
 def plan_load(*, model_path: str, model_name: str | None = None, server_type: str = "llm",
               backend: str | None = None, node: str | None = None, gpus: list[int] | None = None,
               tensor_parallel_size: int | None = None, extra_args: dict | None = None,
-              again: LoadPlan | None = None, adapters: list | None = None) -> LoadPlan:
+              again: LoadPlan | None = None, adapters: list | None = None, preset: dict | None = None) -> LoadPlan:
     """Validate a load and decide node, backend, GPUs and the command; raises LoadRefused.
 
     Without `node`, every online node is planned and the best kept (placement.choose_node).
@@ -393,7 +404,8 @@ def plan_load(*, model_path: str, model_name: str | None = None, server_type: st
     if server_type not in InstanceType.values:
         raise LoadRefused(400, f"server_type must be llm, embedding or rerank, not {str(server_type)[:40]!r}")
     kwargs = dict(model_path=model_path, model_name=model_name, server_type=server_type, backend=backend,
-                  gpus=gpus, tensor_parallel_size=tensor_parallel_size, extra_args=extra_args, adapters=adapters)
+                  gpus=gpus, tensor_parallel_size=tensor_parallel_size, extra_args=extra_args, adapters=adapters,
+                  preset=preset)
     if again is not None:
         return _plan_on(pick_node(again.node.name), source=again.source, node_type=_plan_gpu_type(again), **kwargs)
     if node:
@@ -434,7 +446,8 @@ def plan_replica_on(target: Node, *, avoid_gpus: frozenset[int], **kwargs) -> Lo
 def _plan_on(target: Node, *, model_path: str, model_name: str | None, server_type: str, backend: str | None,
              gpus: list[int] | None, tensor_parallel_size: int | None, extra_args: dict | None,
              source: ModelSource | None = None, node_type: str | None = None,
-             avoid_gpus: frozenset[int] = frozenset(), adapters: list | None = None) -> LoadPlan:
+             avoid_gpus: frozenset[int] = frozenset(), adapters: list | None = None,
+             preset: dict | None = None) -> LoadPlan:
     """The plan for one node; raises LoadRefused."""
     current = wait_for_inventory(target, timeout_s=settings.INVENTORY_WAIT_S)
     if current is None:  # the agent restarted and its probe has not replaced the last run's inventory
@@ -461,7 +474,7 @@ def _plan_on(target: Node, *, model_path: str, model_name: str | None, server_ty
     launch, estimate, extra = make_launch_plan(
         node=target, source=source, model_name=name, server_type=server_type, backend=backend, gpus=gpus,
         tensor_parallel_size=tensor_parallel_size, extra_args=extra_args, node_type=node_type, avoid_gpus=avoid_gpus,
-        adapters=checked)
+        adapters=checked, preset=preset)
     return LoadPlan(source, target, launch, estimate, extra, placement=f"on {target.name}")
 
 
@@ -550,7 +563,8 @@ def fallback_plan(inst: ModelInstance, failed: LaunchPlan) -> tuple[LaunchPlan |
             plan, _, _ = make_launch_plan(
                 node=node, source=source, model_name=inst.model_name, server_type=failed.server_type, backend=name,
                 gpus=None, tensor_parallel_size=failed.tensor_parallel_size, extra_args=inst.extra_args,
-                placed_gpus=list(failed.gpus), node_type=node_type, adapters=list(inst.adapters or []))
+                placed_gpus=list(failed.gpus), node_type=node_type, adapters=list(inst.adapters or []),
+                preset=inst.preset)
         except LoadRefused as exc:
             why.append(f"{name}: {exc.message}")
             continue
@@ -573,7 +587,8 @@ def replan_instance(inst: ModelInstance, extra_args: dict | None) -> tuple[Launc
     plan, _, extra = make_launch_plan(
         node=inst.node, source=source, model_name=inst.model_name, server_type=inst.type, backend=inst.backend,
         gpus=None, tensor_parallel_size=inst.tensor_parallel_size, extra_args=extra_args,
-        placed_gpus=list(inst.gpus or (old.gpus if old else ())), adapters=list(inst.adapters or []))
+        placed_gpus=list(inst.gpus or (old.gpus if old else ())), adapters=list(inst.adapters or []),
+        preset=inst.preset)
     return dataclasses.replace(plan, fallback=bool(old and old.fallback)), extra
 
 
@@ -594,7 +609,8 @@ def plan_for_instance(inst: ModelInstance) -> LaunchPlan:
     plan, _, _ = make_launch_plan(
         node=inst.node, source=source, model_name=inst.model_name, server_type=inst.type, backend=inst.backend,
         gpus=None, tensor_parallel_size=inst.tensor_parallel_size, extra_args=inst.extra_args,
-        placed_gpus=list(inst.gpus) if inst.gpus else None, adapters=list(inst.adapters or []))
+        placed_gpus=list(inst.gpus) if inst.gpus else None, adapters=list(inst.adapters or []),
+        preset=inst.preset)
     ModelInstance.objects.filter(pk=inst.pk).update(plan=plan.to_json())
     inst.plan = plan.to_json()
     return plan

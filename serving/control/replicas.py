@@ -103,7 +103,7 @@ def place_replicas(*, first: ModelInstance, count: int, start_now: bool = True, 
     launch = stored_plan(first)
     args = dict(model_path=first.model_path, model_name=first.model_name, server_type=first.type,
                 backend=first.backend, gpus=None, tensor_parallel_size=first.tensor_parallel_size,
-                extra_args=first.extra_args, adapters=list(first.adapters or []))
+                extra_args=first.extra_args, adapters=list(first.adapters or []), preset=first.preset)
     nodes = list(Node.placeable().exclude(pk__in=exclude_nodes).order_by("name"))
     for _ in range(count):
         held = ModelInstance.objects.filter(name_holders(), model_name=first.model_name) \

@@ -15,6 +15,7 @@ from django.db import IntegrityError
 from django.db.models import Q
 
 from hardware.models import Node
+from serving.control import presets
 from serving.control.capacity import NoRoom, fits_at_all, make_room, record_refusal
 from serving.control.planning import LoadRefused, plan_load
 from serving.control.replicas import (
@@ -99,7 +100,7 @@ def request_load(*, model_path: str, model_name: str | None = None, server_type:
                  pinned: bool = False, max_concurrency: int | None = None,
                  start: bool | None = None, first_byte_timeout_s: int | None = None, replicas: int = 1,
                  partial: bool = False, drain_timeout_s: int | None = None,
-                 adapters: list | None = None) -> ModelInstance:
+                 adapters: list | None = None, preset: str | None = None) -> ModelInstance:
     """Plan and record a load, then nudge the node's agent. `always` (and an on_demand load with
     `start`): desired RUNNING, state PENDING, room made by eviction (409 does_not_fit when none
     can be). on_demand without `start`: IDLE, started by the first request.
@@ -113,7 +114,10 @@ def request_load(*, model_path: str, model_name: str | None = None, server_type:
     `replicas` (issue 30): replica 0 is this load; the others are planned and placed as loads are
     (serving.control.replicas), all in one transaction under every online node's placement lock:
     409 does_not_fit with the numbers when they do not all fit and nothing recorded, or with
-    `partial` as many as fit (the instance's `placed` says which)."""
+    `partial` as many as fit (the instance's `placed` says which).
+
+    `preset` (issue 27 #3): the model's engine preset of that name (None: its default one, if any;
+    "none": no preset); 404 preset_not_found for a name the model has none of."""
     if not isinstance(replicas, int) or not 1 <= replicas <= MAX_REPLICAS:
         raise LoadRefused(400, f"replicas must be 1..{MAX_REPLICAS}")
     if replicas > 1 and gpus:
@@ -129,8 +133,15 @@ def request_load(*, model_path: str, model_name: str | None = None, server_type:
         raise LoadRefused(400, "first_byte_timeout_s must be >= 1 (or null: the proxy's setting)")
     on_demand = policy == Policy.ON_DEMAND
     start_now = (not on_demand) if start is None else (bool(start) or not on_demand)
+    try:
+        chosen_preset = presets.find(presets.normalize_model_path(model_path), preset)
+    except presets.PresetInvalid:
+        chosen_preset = None  # a model_path planning refuses, with its own words
+    except LookupError as exc:
+        raise LoadRefused(404, str(exc), code="preset_not_found") from None
     args = dict(model_path=model_path, model_name=model_name, server_type=server_type, backend=backend, gpus=gpus,
-                tensor_parallel_size=tensor_parallel_size, extra_args=extra_args, adapters=adapters)
+                tensor_parallel_size=tensor_parallel_size, extra_args=extra_args, adapters=adapters,
+                preset=presets.snapshot(chosen_preset) if chosen_preset else None)
     plan = plan_load(node=node, **args)
     aliases = check_aliases(aliases, plan.model_name)
     victims: list[ModelInstance] = []
@@ -206,6 +217,7 @@ def _record_load(plan, *, aliases: list[str], autostart: bool, user, start_now: 
         type=launch.server_type, backend=launch.backend, backend_reason=f"{launch.reason} ({plan.placement})",
         node=plan.node, gpus=plan.gpus if start_now else [], tensor_parallel_size=launch.tensor_parallel_size,
         extra_args=plan.extra_args, plan=launch.to_json(), autostart=autostart,
+        preset={"name": launch.preset["name"], "settings": launch.preset["settings"]} if launch.preset else None,
         desired_state=DesiredState.RUNNING if start_now else DesiredState.IDLE,
         state_message="waiting for the node agent" if start_now else "idle: starts on the first request",
         estimated_memory_mib=plan.estimate.total_mib, created_by=user if getattr(user, "pk", None) else None,

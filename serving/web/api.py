@@ -9,6 +9,7 @@ from ninja import Router, Status
 from accounts.audit import record_audit
 from accounts.auth import api_auth, operator_auth, require_role, visible_models
 from accounts.errors import ApiError
+from serving.control import presets
 from serving.control.planning import LoadRefused, local_python, stored_plan
 from serving.control.replicas import request_scale
 from serving.control.rollout import request_rollout
@@ -28,6 +29,8 @@ from serving.web.schemas import (
     InstanceRef,
     LoadIn,
     LoadOut,
+    PresetIn,
+    PresetOut,
     RolloutIn,
     RolloutOut,
     ScaleIn,
@@ -57,7 +60,7 @@ def instance_out(inst: ModelInstance, desired: dict[str, int] | None = None) -> 
         "desired_state": inst.desired_state, "backend": inst.backend, "backend_reason": inst.backend_reason,
         "node": inst.node.name, "gpus": list(inst.gpus or []), "port": inst.port, "pid": inst.pid,
         "restarts": inst.restarts, "error": inst.last_error, "exit_code": inst.exit_code,
-        "extra_args": inst.extra_args or {}, "ready_at": inst.ready_at, "created_at": inst.created_at,
+        "extra_args": inst.extra_args or {}, "preset": inst.preset, "ready_at": inst.ready_at, "created_at": inst.created_at,
         "log_tail": list(inst.log_tail or []),
         "memory": {"estimate_mib": inst.estimated_memory_mib, "measured_mib": inst.measured_memory_mib,
                    "measured_source": inst.measured_source or None},
@@ -110,13 +113,15 @@ def load(request: HttpRequest, body: LoadIn):
             policy=body.policy, idle_ttl_s=body.idle_ttl_s, pinned=body.pinned, max_concurrency=body.max_concurrency,
             start=body.start, first_byte_timeout_s=body.first_byte_timeout_s,
             replicas=body.replicas, partial=body.partial, drain_timeout_s=body.drain_timeout_s,
-            adapters=[a.dict() for a in body.adapters or []],
+            adapters=[a.dict() for a in body.adapters or []], preset=body.preset,
         )
     except LoadRefused as exc:
         _audit_refused(request, "load", body.model_name or body.model_path, exc)
         raise _refused(exc) from None
     placed = getattr(inst, "placed", [inst])
     detail = {"model_path": inst.model_path, "node": inst.node.name, "backend": inst.backend}
+    if inst.preset:
+        detail["preset"] = inst.preset["name"]
     if body.replicas > 1:
         detail.update(replicas=len(placed), wanted=body.replicas,
                       where=[f"{i.node.name}:{','.join(map(str, i.gpus)) or 'cpu'}" for i in placed])
@@ -210,6 +215,51 @@ def rollout(request: HttpRequest, body: RolloutIn):
     record_audit(action="rollout", target=body.model_name, request=request,
                  detail={"order": [i.pk for i in order], "extra_args": body.extra_args})
     return Status(202, {"model_name": body.model_name, "order": [i.pk for i in order], "extra_args": body.extra_args})
+
+
+@management_router.get("/presets", response=list[PresetOut], auth=operator_auth,
+                       summary="A model's engine presets (or every model's)")
+def preset_list(request: HttpRequest, model_path: str | None = None):
+    """Each with `engines`: the preset held against every engine version the nodes report for
+    the model's format, as they stand now (ok, or why not)."""
+    require_role(request, "operator")
+    try:
+        return presets.listing(model_path)
+    except presets.PresetInvalid as exc:
+        raise ApiError(400, str(exc), code="invalid_preset") from None
+
+
+@management_router.put("/presets", response={200: PresetOut, 201: PresetOut}, auth=operator_auth,
+                       summary="Create or replace a model's engine preset")
+def preset_save(request: HttpRequest, body: PresetIn):
+    """400 invalid_preset naming the field, or, when no engine version a node has can apply it,
+    each engine's reason (the engine's flags at that version, as extra_args are checked)."""
+    user = require_role(request, "operator")
+    try:
+        row, created, checks = presets.save(model_path=body.model_path, name=body.name, settings=body.settings,
+                                            default=body.default, user=user)
+    except presets.PresetInvalid as exc:
+        record_audit(action="preset", target=f"{body.model_path[:200]}: {body.name}", request=request,
+                     outcome="refused", detail={"message": str(exc)[:300]})
+        raise ApiError(400, str(exc), code="invalid_preset") from None
+    record_audit(action="preset", target=f"{row.model_path}: {row.name}", request=request,
+                 detail={"settings": row.engine_settings, "default": row.is_default, "created": created})
+    return Status(201 if created else 200, presets.out(row, checks))
+
+
+@management_router.delete("/presets", response={204: None}, auth=operator_auth,
+                          summary="Delete a model's engine preset")
+def preset_delete(request: HttpRequest, model_path: str, name: str):
+    """Instances loaded with it keep the settings they were loaded with."""
+    require_role(request, "operator")
+    try:
+        found = presets.delete(model_path=model_path, name=name)
+    except presets.PresetInvalid as exc:
+        raise ApiError(400, str(exc), code="invalid_preset") from None
+    if not found:
+        raise ApiError(404, f"{model_path[:200]} has no preset {name[:64]!r}.", code="preset_not_found")
+    record_audit(action="preset_delete", target=f"{model_path}: {name}", request=request)
+    return Status(204, None)
 
 
 @management_router.post("/unload", response={202: InstanceOut}, auth=operator_auth, summary="Unload an instance")

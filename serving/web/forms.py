@@ -76,6 +76,7 @@ class LoadForm(forms.Form):
         label="LoRA adapters (one per line: name path [scale]); each is served as <served name>:<name>",
         help_text="llama-server (a LoRA GGUF of the same architecture) or vLLM (a PEFT folder). The set is "
                   "fixed at load: to change it, load again (on llama-server the engine restarts with the new set).")
+    preset = forms.CharField(max_length=64, required=False, label="Engine preset")
     autostart = forms.BooleanField(required=False, label="Start when the node agent starts (the console is ready "
                                                          "once it is; without it, a clean agent stop leaves it stopped)")
     policy = forms.ChoiceField(choices=[("always", "always: runs until unloaded"),

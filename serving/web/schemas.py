@@ -53,6 +53,8 @@ class LoadIn(StrictBody):
                                              "does_not_fit and nothing is loaded)")
     drain_timeout_s: int | None = Field(None, ge=0, le=3600, description="a replica scaled down waits at most this "
                                         "long for its requests in flight (default 30)")
+    preset: str | None = Field(None, max_length=64, description="the model's engine preset of this name (issue 27 "
+                               "#3); left out: its default preset, if any; \"none\": no preset")
 
 
 class ReplicaOut(Schema):
@@ -170,6 +172,7 @@ class InstanceMemory(Schema):
 class InstanceOut(Schema):
     id: int
     model_name: str
+    preset: dict | None = None
     adapters: list[dict] = []
     model_path: str
     type: str
@@ -203,3 +206,34 @@ class InstanceOut(Schema):
     replica: int = 0
     replicas_desired: int | None = Field(None, description="the served name's desired replica count")
     drain_until: datetime | None = Field(None, description="scaled down: stopped by then at the latest")
+
+
+class PresetIn(StrictBody):
+    model_path: str = Field(..., max_length=1024, description="the store prefix or absolute path it is for")
+    name: str = Field(..., max_length=64, description="a-z 0-9 . _ - (not 'none')")
+    settings: dict = Field(..., description="context_size, parallel, kv_cache_type, flash_attention, "
+                           "tool_call_parser, reasoning_parser, chat_template, speculative")
+    default: bool = Field(False, description="applied to a load of the model that names no preset")
+
+
+class PresetRef(StrictBody):
+    model_path: str = Field(..., max_length=1024)
+    name: str = Field(..., max_length=64)
+
+
+class PresetCheck(Schema):
+    backend: str
+    version: str
+    nodes: list[str]
+    ok: bool
+    message: str
+
+
+class PresetOut(Schema):
+    model_path: str
+    name: str
+    settings: dict
+    default: bool
+    updated_at: datetime
+    updated_by: str | None
+    engines: list[PresetCheck]

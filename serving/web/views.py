@@ -16,11 +16,19 @@ from accounts.models import Role
 from accounts.query import ascii_int
 from hardware.models import GpuDevice, Node
 from hub.models import ModelArtifact
+from serving.control import presets
 from serving.control.placement import gpu_rooms
 from serving.control.planning import LoadRefused, backends_for, plan_load
 from serving.control.replicas import request_scale
 from serving.control.services import request_load, request_restart, request_unload
-from serving.models import InstanceState, ModelDeployment, ModelInstance, ScalingDecision, name_holders
+from serving.models import (
+    EnginePreset,
+    InstanceState,
+    ModelDeployment,
+    ModelInstance,
+    ScalingDecision,
+    name_holders,
+)
 from serving.node.logs import current_log, previous_log
 from serving.proxy.metrics import usage_summary
 from serving.proxy.ondemand import queue_depth
@@ -70,6 +78,20 @@ def _gpu_indexes(data) -> list[int]:
     return [int(g) for g in data.getlist("gpus") if ASCII_INT_RE.match(str(g))]
 
 
+def _preset_choice(data) -> tuple[list, str]:
+    """The Load dialog's preset select: (the model's presets, the one selected): the one the form
+    names while the model has it, else the model's default, else none."""
+    try:
+        key = presets.normalize_model_path(data.get("model_path", ""))
+    except presets.PresetInvalid:
+        return [], presets.NO_PRESET
+    rows = list(EnginePreset.objects.filter(model_path=key)[:100])
+    wanted = data.get("preset") or ""
+    if wanted == presets.NO_PRESET or any(p.name == wanted for p in rows):
+        return rows, wanted
+    return rows, next((p.name for p in rows if p.is_default), presets.NO_PRESET)
+
+
 def _plan_kwargs(data) -> dict:
     """Arguments for plan_load from the form's raw data (the verdict runs on partial input)."""
     extra = parse_extra_args(data.get("extra_args", ""))
@@ -77,12 +99,14 @@ def _plan_kwargs(data) -> dict:
     if tp_raw and not ASCII_INT_RE.match(tp_raw):
         raise LoadRefused(400, "tensor_parallel_size must be a whole number from 1 to 64")
     gpus = _gpu_indexes(data)
+    rows, selected = _preset_choice(data)
     return {
         "model_path": data.get("model_path", ""), "model_name": data.get("model_name") or None,
         "server_type": data.get("server_type") or "llm", "backend": data.get("backend") or "auto",
         "node": data.get("node") or None, "gpus": gpus or None,
         "tensor_parallel_size": int(tp_raw) if tp_raw else None, "extra_args": extra,
         "adapters": parse_adapters(data.get("adapters", "")),
+        "preset": next((presets.snapshot(p) for p in rows if p.name == selected), None),
     }
 
 
@@ -105,6 +129,7 @@ def load_verdict(request: HttpRequest) -> HttpResponse:
         ctx["error"] = f"LoRA adapters: {exc}"
     ctx["gpu_choices"] = _gpu_choices(request.GET.get("node"))
     ctx["selected_gpus"] = set(_gpu_indexes(request.GET))
+    ctx["preset_rows"], ctx["preset_selected"] = _preset_choice(request.GET)
     return render(request, "serving/partials/_load_verdict.html", ctx)
 
 
@@ -126,7 +151,7 @@ def load_page(request: HttpRequest) -> HttpResponse:
                     tensor_parallel_size=d["tensor_parallel_size"], extra_args=d["extra_args"],
                     autostart=d["autostart"], user=request.user, fallback=d["fallback"] or None, policy=d["policy"],
                     idle_ttl_s=d["idle_ttl_s"], pinned=d["pinned"], max_concurrency=d["max_concurrency"],
-                    adapters=d["adapters"],
+                    adapters=d["adapters"], preset=d["preset"] or None,
                 )
             except LoadRefused as exc:
                 error = exc.message
@@ -142,7 +167,9 @@ def load_page(request: HttpRequest) -> HttpResponse:
     else:
         form = LoadForm(initial={"model_path": request.GET.get("model_path", ""), "node": node_name},
                         gpu_choices=gpu_choices)
+    preset_rows, preset_selected = _preset_choice(request.POST if request.method == "POST" else request.GET)
     ctx = {"form": form, "nodes": nodes, "node_name": node_name, "error": error,
+           "preset_rows": preset_rows, "preset_selected": preset_selected,
            "can_operate": _can_operate(request),
            "artifacts": ModelArtifact.objects.filter(complete=True).values_list("prefix", flat=True)[:500]}
     status = 400 if error or (request.method == "POST" and not form.is_valid()) else 200
@@ -311,3 +338,74 @@ def playground(request: HttpRequest, pk: int) -> HttpResponse:
         except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
             ctx["error"] = f"The backend's answer was not understood: {exc.__class__.__name__}: {str(exc)[:200]}"
     return render(request, "serving/partials/_playground_reply.html", ctx)
+
+
+SETTING_INPUTS = (  # the presets page's inputs: (setting, label, input type)
+    ("context_size", "Context size (tokens)", "number"), ("parallel", "Parallel requests (slots / max sequences)",
+                                                          "number"),
+    ("kv_cache_type", "KV cache type", "choice"), ("flash_attention", "Flash attention", "onoff"),
+    ("tool_call_parser", "Tool-call parser (vLLM name; llama-server: auto)", "text"),
+    ("reasoning_parser", "Reasoning parser (vLLM name; llama-server none|deepseek|auto)", "text"),
+    ("chat_template", "Chat template (inline Jinja or a built-in name)", "textarea"),
+    ("speculative", "Speculative decoding, vLLM (JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4})",
+     "json"),
+)
+
+
+def _settings_from_form(data) -> dict:
+    """The presets page's inputs as a preset's settings (checked by presets.clean_settings)."""
+    import json
+
+    out: dict = {}
+    for field, _, kind in SETTING_INPUTS:
+        raw = (data.get(field) or "").strip()
+        if not raw:
+            continue
+        if kind == "onoff":
+            out[field] = raw == "on"
+        elif kind == "json":
+            try:
+                out[field] = json.loads(raw)
+            except ValueError:
+                raise presets.PresetInvalid(f"{field} is a JSON object") from None
+        elif kind == "number":
+            out[field] = int(raw) if ASCII_INT_RE.match(raw) else raw
+        else:
+            out[field] = raw
+    return out
+
+
+@role_required(Role.OPERATOR)
+@require_http_methods(["GET", "POST"])
+def presets_page(request: HttpRequest) -> HttpResponse:
+    """Engine presets (issue 27 #3): every model's, each held against the engine versions the
+    nodes report; operators add, replace and delete them (each an audited action)."""
+    error = None
+    status = 200
+    if request.method == "POST":
+        action = request.POST.get("action", "save")
+        target = f"{request.POST.get('model_path', '')[:200]}: {request.POST.get('name', '')[:64]}"
+        try:
+            if action == "delete":
+                if not presets.delete(model_path=request.POST.get("model_path"), name=request.POST.get("name")):
+                    raise presets.PresetInvalid(f"there is no preset {target}")
+                record_audit(action="preset_delete", target=target, request=request)
+                messages.success(request, f"Deleted the preset {target}.")
+            else:
+                row, created, _ = presets.save(
+                    model_path=request.POST.get("model_path"), name=request.POST.get("name", "").strip(),
+                    settings=_settings_from_form(request.POST), default=request.POST.get("default") == "on",
+                    user=request.user)
+                record_audit(action="preset", target=f"{row.model_path}: {row.name}", request=request,
+                             detail={"settings": row.engine_settings, "default": row.is_default, "created": created})
+                messages.success(request, f"{'Saved' if created else 'Replaced'} the preset {row.name} of "
+                                          f"{row.model_path}.")
+            return redirect("presets")
+        except presets.PresetInvalid as exc:
+            error, status = str(exc), 400
+            record_audit(action="preset" if action != "delete" else "preset_delete", target=target, request=request,
+                         outcome="refused", detail={"message": error[:300]})
+    ctx = {"presets": presets.listing(), "error": error, "inputs": SETTING_INPUTS, "form": request.POST,
+           "kv_types": presets.KV_CACHE_TYPES,
+           "artifacts": ModelArtifact.objects.filter(complete=True).values_list("prefix", flat=True)[:500]}
+    return render(request, "serving/presets.html", ctx, status=status)

@@ -63,7 +63,7 @@ def served_console(tmp_path_factory) -> Iterator[tuple[Console, int]]:
 
 # Every page a person opens (the action routes are POST-only); {pk}: the demo instance.
 PAGES = ["/", "/?range=24h", "/?range=7d", "/gpus/", "/nodes/test-node/", "/nodes/test-node/cache/", "/models/",
-         "/models/upload/", "/downloads/", "/instances/", "/instances/new/", "/instances/{pk}/", "/usage/",
+         "/models/upload/", "/downloads/", "/instances/", "/instances/new/", "/instances/presets/", "/instances/{pk}/", "/usage/",
          "/requests/", "/keys/", "/keys/{key}/", "/users/", "/users/{user}/", "/audit/"]
 
 

@@ -37,9 +37,32 @@ def test_load_watch_chat_unload(demo_console, page):
         if row.count() or time.monotonic() > deadline:
             break
         time.sleep(0.5)
+    # An engine preset for the model (issue 27 #3), from its page: a wrong setting is refused there.
+    page.goto(f"{console.url}/instances/presets/")
+    page.fill("#preset-model", "gguf/xgen-tiny-demo")
+    page.fill("#preset-name", "two-slots")
+    page.fill("#preset-parallel", "2")
+    page.select_option("#preset-kv_cache_type", "fp8")  # llama.cpp has no fp8 KV cache
+    page.click("#preset-save")
+    assert "no engine the nodes have can apply it" in page.locator("#preset-error").inner_text()
+    page.fill("#preset-model", "gguf/xgen-tiny-demo")
+    page.fill("#preset-name", "two-slots")
+    page.fill("#preset-parallel", "2")
+    page.check("#preset-default")
+    page.click("#preset-save")
+    preset_row = page.locator("#preset-table tr[data-preset=two-slots]")
+    assert "default" in preset_row.inner_text() and "applies" in preset_row.inner_text()
+    page.goto(f"{console.url}/models/")
     row.get_by_role("link", name="Load").click()
     assert "/instances/new/?model_path=gguf/xgen-tiny-demo" in page.url
     verdict = page.locator("#load-verdict")
+    # The model's default preset is chosen; the verdict shows its flags as this engine takes them.
+    assert page.locator("#id_preset").input_value() == "two-slots"
+    verdict.locator("#verdict-preset").get_by_text("--parallel 2").wait_for()
+    page.select_option("#id_preset", "none")
+    page.wait_for_function("() => !document.querySelector('#verdict-preset')")
+    page.select_option("#id_preset", "two-slots")
+    verdict.locator("#verdict-preset").wait_for()
     # The node built llama-server (the setup does): the auto choice takes it on the CPU, and says why.
     verdict.locator("#verdict-backend").get_by_text("GGUF on CPU-only -> llama-server (cpu)").wait_for()
     assert "faster than llama-cpp-python on the CPU" in verdict.inner_text()
@@ -51,11 +74,13 @@ def test_load_watch_chat_unload(demo_console, page):
     page.locator("#verdict-error").get_by_text("does not accept --n_ctx").wait_for()
     page.fill("#id_extra_args", "--ctx-size 512")
     page.locator("#command-line").get_by_text("--ctx-size 512").wait_for()
+    assert "--parallel 2" in page.locator("#command-line").inner_text()  # the preset's, beside the load's own
     assert "--alias demo-chat" in page.locator("#command-line").inner_text()
     page.click("#load-submit")
     page.wait_for_url(re.compile(r"/instances/\d+/$"))
     page.locator("#live-indicator:not([hidden])").wait_for()
     page.locator("[data-state=READY]").wait_for(timeout=60_000)
+    assert "two-slots" in page.locator("#inst-preset").inner_text()
     timeline = page.locator("#timeline").inner_text()
     for state in ("PENDING", "CACHING", "LOADING", "WARMING", "READY"):
         assert state in timeline

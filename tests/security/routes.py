@@ -15,7 +15,8 @@ MISSING_ID = "999999"
 # Routes added for 0.2 (issue 14) and the role each needs; the matrix fails if one goes missing.
 ADDED_PAGES = {("/usage/", None), ("/requests/", None), ("/audit/", "admin"), ("/keys/1/", "admin"),
                ("/", "viewer"),  # the dashboard (issue 16)
-               ("/teams/", None), ("/teams/1/", None)}  # teams (issue 26): admins, and a lead its own team
+               ("/teams/", None), ("/teams/1/", None),
+               ("/instances/presets/", "operator")}  # engine presets (issue 27 #3)  # teams (issue 26): admins, and a lead its own team
 ADDED_API = {
     ("POST", "/api/keys", "admin"), ("GET", "/api/keys", "admin"), ("GET", f"/api/keys/{MISSING_ID}", "admin"),
     ("PATCH", f"/api/keys/{MISSING_ID}", "admin"), ("DELETE", f"/api/keys/{MISSING_ID}", "admin"),
@@ -25,6 +26,9 @@ ADDED_API = {
     ("POST", "/api/management/scale", "operator"),  # issue 30: a model's replica count
     ("POST", "/api/management/autoscale", "operator"),  # issue 30: its autoscaling settings
     ("POST", "/api/management/rollout", "operator"),  # issue 30: a rolling restart of its replicas
+    # Engine presets (issue 27 #3): reading them is for those who load (operators), as changing them is.
+    ("GET", "/api/management/presets", "operator"), ("PUT", "/api/management/presets", "operator"),
+    ("DELETE", "/api/management/presets", "operator"),
     # Teams (issue 26): admins change teams; reading a team and its keys is for admins and the team's
     # lead (the view holds a lead to its own teams: 404 for another; test_auth_matrix checks it).
     ("GET", "/api/teams", "viewer"), ("POST", "/api/teams", "admin"), ("GET", f"/api/teams/{MISSING_ID}", "viewer"),

@@ -73,6 +73,12 @@ def test_the_replica_operations_are_fuzzed():
         assert label in OPERATIONS and label in OWN_BODIES
 
 
+def test_the_preset_operations_are_fuzzed():
+    assert {"GET /api/management/presets", "PUT /api/management/presets",
+            "DELETE /api/management/presets"} <= set(OPERATIONS)
+    assert "PUT /api/management/presets" in OWN_BODIES
+
+
 # Changing and revoking keys go last (in this order): a case may revoke the key the fuzzer signs with.
 LAST = ("PATCH /api/keys", "DELETE /api/keys")
 

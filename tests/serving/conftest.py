@@ -5,13 +5,14 @@ import asyncio
 import functools
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 import httpx
 import pytest
 from asgiref.sync import sync_to_async
 
-from tests.conftest import ENGINES, llama_server_binary
+from tests.conftest import ENGINES, KeyedConsole, llama_server_binary, start_console
+from tests.procs import stop_process
 
 LLAMA_CPP_PYTHON = {"name": "llama-cpp-python", "available": True, "version": "0.3.16", "flavour": "cpu",
                     "path": "", "reason": ""}
@@ -119,6 +120,20 @@ def set_console_backends(console) -> None:
     while console.manage("shell", "-v", "0", "-c", code).stdout.strip() != "1":
         assert time.monotonic() < deadline, "the node never registered"
         time.sleep(0.2)
+
+
+def keyed_console(workdir, extra_env: dict | None = None) -> Iterator[KeyedConsole]:
+    """A console (tests.conftest.start_console) whose node has node_backends(), with an admin's
+    key; a module fixture yields from it. It must stop cleanly, and no request may crash the proxy."""
+    console = start_console(workdir, extra_env=extra_env)
+    try:
+        set_console_backends(console)
+        key = console.manage("createapikey", "--username", "admin").stdout.strip().splitlines()[-1]
+        yield KeyedConsole(console=console, key=key)
+    finally:
+        code = stop_process(console.proc, timeout=60)
+    assert code == 0, console.log[-3000:]
+    assert "proxy failed" not in console.log, console.log[-5000:]
 
 
 def wait_api(url: str, key: str, predicate, timeout: float = 60) -> dict:

@@ -15,9 +15,8 @@ import pytest
 
 from hub.demo import write_tiny_lora_gguf
 from serving.adapters import LaunchSpec, get_adapter
-from tests.conftest import KeyedConsole, bearer, start_console
-from tests.procs import stop_process
-from tests.serving.conftest import NODE, node_backends, set_backends, set_console_backends, wait_api
+from tests.conftest import KeyedConsole, bearer
+from tests.serving.conftest import NODE, keyed_console, node_backends, set_backends, wait_api
 
 ENV = {"XGEN_RESTART_BACKOFF": "0", "XGEN_RECONCILE_INTERVAL": "1", "XGEN_STOP_GRACE": "5",
        "XGEN_USAGE_FLUSH": "1"}
@@ -122,15 +121,7 @@ def test_the_load_dialog_takes_adapters_one_per_line(node, operator, tiny_gguf, 
 # ---------------------------------------------------------------- end to end, llama-server
 @pytest.fixture(scope="module")
 def lc(tmp_path_factory) -> Iterator[KeyedConsole]:
-    console = start_console(tmp_path_factory.mktemp("lora"), extra_env=ENV)
-    try:
-        set_console_backends(console)
-        key = console.manage("createapikey", "--username", "admin").stdout.strip().splitlines()[-1]
-        yield KeyedConsole(console=console, key=key)
-    finally:
-        code = stop_process(console.proc, timeout=60)
-    assert code == 0, console.log[-3000:]
-    assert "proxy failed" not in console.log, console.log[-5000:]
+    yield from keyed_console(tmp_path_factory.mktemp("lora"), extra_env=ENV)
 
 
 def _complete(lc: KeyedConsole, model: str, key: str | None = None, **extra) -> httpx.Response:

@@ -15,7 +15,7 @@ import pytest
 
 from tests.conftest import KeyedConsole, start_console
 from tests.procs import stop_process
-from tests.serving.conftest import backend_pids, set_console_backends, wait_api
+from tests.serving.conftest import backend_pids, keyed_console, set_console_backends, wait_api
 
 ENV = {"XGEN_RESTART_BACKOFF": "0", "XGEN_RECONCILE_INTERVAL": "1", "XGEN_STOP_GRACE": "5",
        "XGEN_NODE_MEMORY_MIB": "800", "XGEN_COLD_START_KEEPALIVE_S": "0", "XGEN_USAGE_FLUSH": "1",
@@ -26,15 +26,7 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
 @pytest.fixture(scope="module")
 def od(tmp_path_factory) -> Iterator[KeyedConsole]:
-    console = start_console(tmp_path_factory.mktemp("on-demand"), extra_env=ENV)
-    try:
-        set_console_backends(console)
-        key = console.manage("createapikey", "--username", "admin").stdout.strip().splitlines()[-1]
-        yield KeyedConsole(console=console, key=key)
-    finally:
-        code = stop_process(console.proc, timeout=60)
-    assert code == 0, console.log[-3000:]
-    assert "proxy failed" not in console.log, console.log[-5000:]
+    yield from keyed_console(tmp_path_factory.mktemp("on-demand"), extra_env=ENV)
 
 
 def _load(od: KeyedConsole, tiny_gguf, name: str, **fields) -> dict:
