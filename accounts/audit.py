@@ -16,7 +16,7 @@ ACTIONS = (
     "key_create", "key_change", "key_revoke", "user_create", "user_change", "password_change",
     "sso_sync", "sso_groups_missing", "sso_deprovision",
     "team_create", "team_change", "team_delete", "team_member_add", "team_member_remove", "team_sync",
-    "preset", "preset_delete",
+    "preset", "preset_delete", "adapter_add", "adapter_remove",
 )
 
 

@@ -156,6 +156,10 @@ class BackendAdapter:
         """The requests being answered, from busy_path's answer; None when it does not say."""
         return None
 
+    def runtime_adapters(self, version: str) -> bool:
+        """Whether this version adds and removes LoRA adapters while it runs (else a change restarts it)."""
+        return False
+
     def allowed_flags(self, version: str) -> dict[str, str]:
         """Flag -> kind of value, for extra_args on this version. Flags the adapter sets itself are absent."""
         raise NotImplementedError

@@ -29,6 +29,9 @@ RESPONSES_SINCE = (0, 10, 0)
 MESSAGES_SINCE = (0, 12, 0)
 # Its count_tokens only from 0.17.0 (absent in the 0.15.1 and 0.16.0 wheels: tests/serving/vllm_routes).
 COUNT_TOKENS_SINCE = (0, 17, 0)
+# /v1/load_lora_adapter and /v1/unload_lora_adapter (with VLLM_ALLOW_RUNTIME_LORA_UPDATING) came
+# in vLLM 0.6.2 (September 2024); every recorded route table (tests/serving/vllm_routes) has them.
+RUNTIME_LORA_SINCE = (0, 6, 2)
 
 COMMON_FLAGS = {
     "--max-model-len": INT,
@@ -53,6 +56,10 @@ COMMON_FLAGS = {
     "--tool-call-parser": STR,
     "--reasoning-parser": STR,
     "--speculative-config": STR,
+    # LoRA without adapters at load, so that adapters can be added at runtime (issue 27 #1).
+    "--enable-lora": BOOL,
+    "--max-loras": INT,
+    "--max-lora-rank": INT,
 }
 
 
@@ -126,6 +133,17 @@ class VllmServer(BackendAdapter):
                                    "refuses it unless XGEN_ALLOW_TRUST_REMOTE_CODE=true")
         return checked
 
+    def runtime_adapters(self, version: str) -> bool:
+        """/v1/load_lora_adapter and /v1/unload_lora_adapter (an unknown version: a current one)."""
+        parsed = parse_version(version)
+        return not parsed or parsed >= RUNTIME_LORA_SINCE
+
+    def env_additions(self, spec: LaunchSpec) -> dict[str, str]:
+        env = super().env_additions(spec)
+        if spec.adapters or spec.extra_args.get("--enable-lora") is True:
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"  # adapters added and removed while it runs
+        return env
+
     def key_env(self, secret: str) -> dict[str, str]:
         # The OpenAI server takes --api-key or VLLM_API_KEY; the flag would show in `ps` and in
         # its "non-default args" log line.
@@ -152,6 +170,8 @@ class VllmServer(BackendAdapter):
             cmd += ["--enable-lora", "--lora-modules",
                     *(f"{spec.model_name}:{name}={path}" for name, path, _ in spec.adapters)]
         extra = self.extra_argv(spec)
+        if spec.adapters:
+            extra = _drop_flags(extra, {"--enable-lora"})  # given above already
         if spec.is_embedding:
             # The adapter already chose the runner; a second one would contradict it.
             extra = _drop_flags(extra, {"--runner", "--convert", "--task"})

@@ -56,6 +56,38 @@ def gguf_metadata(path: Path | str, keys: tuple[str, ...]) -> dict[str, str]:
     return found
 
 
+PEFT_CONFIG = "adapter_config.json"
+PEFT_CONFIG_MAX = 1 << 20
+
+
+def check_peft_folder(path: str, name: str) -> None:
+    """LoadRefused 400 unless `path` is a folder the load rules allow (XGEN_IMPORT_DIRS, a bounded
+    walk) holding a PEFT LoRA adapter: adapter_config.json with peft_type LORA at its top."""
+    import json
+
+    from hub.imports import LOAD_SCAN_MAX_ENTRIES, check_import_path
+
+    try:
+        source = check_import_path(path, action="load", max_entries=LOAD_SCAN_MAX_ENTRIES)
+    except HubInputError as exc:
+        raise LoadRefused(400, str(exc), code="invalid_path") from None
+    config = next((f for f in source.files if f.rel == PEFT_CONFIG), None) if source.is_dir else None
+    if config is None:
+        raise LoadRefused(400, f"adapter {name!r}: a Hugging Face model takes a PEFT folder ({PEFT_CONFIG} at its "
+                               "top)", code="invalid_adapter")
+    try:
+        if config.size > PEFT_CONFIG_MAX:
+            raise ValueError("too large")
+        data = json.loads(Path(config.real).read_text())
+    except (OSError, ValueError, UnicodeDecodeError) as exc:
+        raise LoadRefused(400, f"adapter {name!r}: {PEFT_CONFIG} is not readable JSON ({exc})",
+                          code="invalid_adapter") from None
+    if not isinstance(data, dict) or str(data.get("peft_type", "")).upper() != "LORA":
+        raise LoadRefused(400, f"adapter {name!r}: {PEFT_CONFIG} says peft_type "
+                               f"{str(data.get('peft_type') if isinstance(data, dict) else None)[:40]!r}, not LORA",
+                          code="invalid_adapter")
+
+
 def check_gguf_adapter(path: Path | str, *, base: Path | str | None) -> None:
     """LoadRefused 400 `invalid_adapter` unless `path` is a LoRA adapter GGUF of the base's
     architecture (`base`: the base's GGUF where this node can read it)."""
@@ -113,14 +145,12 @@ def check_adapters(raw, *, fmt: str, base_local: Path | None, on_this_node: bool
         if fmt == "gguf" and ("," in path or ":" in path):  # llama-server's --lora-scaled list syntax
             raise LoadRefused(400, f"adapter {name!r}: a GGUF adapter's path may not hold ',' or ':'",
                               code="invalid_path")
-        if on_this_node:
+        if on_this_node and fmt == "gguf":
             local = check_load_path_or_refuse(path)
-            if fmt == "gguf":
-                if local.format != "gguf":
-                    raise LoadRefused(400, f"adapter {name!r}: a GGUF model takes a GGUF adapter", code="invalid_adapter")
-                check_gguf_adapter(local.serve, base=base_local)
-            elif local.format == "gguf":
-                raise LoadRefused(400, f"adapter {name!r}: a Hugging Face model takes a PEFT folder",
-                                  code="invalid_adapter")
+            if local.format != "gguf":
+                raise LoadRefused(400, f"adapter {name!r}: a GGUF model takes a GGUF adapter", code="invalid_adapter")
+            check_gguf_adapter(local.serve, base=base_local)
+        elif on_this_node:
+            check_peft_folder(path, name)
         out.append({"name": name, "path": path, "scale": float(scale)})
     return out

@@ -25,9 +25,11 @@ log = logging.getLogger("xgen.serving")
 
 
 def request_rollout(*, model_name: str, extra_args: dict | None = None,
-                    drain_timeout_s: int | None = None) -> list[ModelInstance]:
+                    drain_timeout_s: int | None = None, adapters: list[dict] | None = None) -> list[ModelInstance]:
     """Record a rolling restart of the model's replicas with `extra_args` (None: the ones they
-    have); every replica's new plan is checked now. Returns the replicas in the order they go."""
+    have) and `adapters` (LoRA, None: the ones they have; each replica takes the new set when it
+    restarts, so the set a replica serves is the one its engine loaded); every replica's new plan
+    is checked now. Returns the replicas in the order they go."""
     live = live_replicas(model_name)
     if not live:
         raise LoadRefused(404, f"no model {model_name[:120]!r} is loaded", code="model_not_found")
@@ -39,10 +41,12 @@ def request_rollout(*, model_name: str, extra_args: dict | None = None,
                                f"({len(deployment.rollout.get('pending', []))} replica(s) to go)",
                           code="rollout_in_progress")
     for inst in live:
+        if adapters is not None:
+            inst.adapters = adapters  # for the check only: stored when the replica restarts
         replan_instance(inst, inst.extra_args if extra_args is None else extra_args)  # 400 before any change
     timeout = deployment.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
     order = sorted(live, key=lambda i: (i.state == InstanceState.READY, i.replica))  # a broken one first
-    deployment.rollout = {"extra_args": extra_args, "pending": [i.pk for i in order], "drain_timeout_s": timeout,
+    deployment.rollout = {"extra_args": extra_args, "adapters": adapters, "pending": [i.pk for i in order], "drain_timeout_s": timeout,
                           "started_at": timezone.now().isoformat(), "total": len(order)}
     deployment.save(update_fields=["rollout"])
     return order
@@ -70,6 +74,8 @@ def progress_rollouts() -> list[int]:
         step = f"{rollout.get('total', len(live)) - len(pending) + 1} of {rollout.get('total', len(live))}"
         try:
             extra = inst.extra_args if rollout.get("extra_args") is None else rollout["extra_args"]
+            if rollout.get("adapters") is not None:
+                inst.adapters = rollout["adapters"]
             plan, normalized = replan_instance(inst, extra)
         except LoadRefused as exc:
             inst.note(f"rolling restart ({step}) skipped: {exc.message}")
@@ -77,7 +83,7 @@ def progress_rollouts() -> list[int]:
         others_serve = len(live) > 1 and inst.state == InstanceState.READY
         until = timezone.now() + timedelta(seconds=int(rollout.get("drain_timeout_s", DEFAULT_DRAIN_TIMEOUT_S)))
         ModelInstance.objects.filter(pk=inst.pk).update(
-            plan=plan.to_json(), extra_args=normalized, restart_requested=True,
+            plan=plan.to_json(), extra_args=normalized, restart_requested=True, adapters=inst.adapters,
             drain_until=until if others_serve else None, updated_at=timezone.now())
         inst.refresh_from_db()
         inst.note(f"rolling restart ({step}): {plan.backend} {plan.version}, extra_args {normalized}")

@@ -9,7 +9,7 @@ from ninja import Router, Status
 from accounts.audit import record_audit
 from accounts.auth import api_auth, operator_auth, require_role, visible_models
 from accounts.errors import ApiError
-from serving.control import presets
+from serving.control import presets, runtime_adapters
 from serving.control.planning import LoadRefused, local_python, stored_plan
 from serving.control.replicas import request_scale
 from serving.control.rollout import request_rollout
@@ -23,6 +23,8 @@ from serving.control.services import (
 from serving.models import ModelDeployment, ModelInstance, ScalingDecision, name_holders
 from serving.proxy.replicas import routing_table
 from serving.web.schemas import (
+    AdapterAddIn,
+    AdapterChangeOut,
     AutoscaleIn,
     AutoscaleOut,
     InstanceOut,
@@ -215,6 +217,45 @@ def rollout(request: HttpRequest, body: RolloutIn):
     record_audit(action="rollout", target=body.model_name, request=request,
                  detail={"order": [i.pk for i in order], "extra_args": body.extra_args})
     return Status(202, {"model_name": body.model_name, "order": [i.pk for i in order], "extra_args": body.extra_args})
+
+
+@management_router.post("/adapters", response={200: AdapterChangeOut, 202: AdapterChangeOut}, auth=operator_auth,
+                        summary="Add a LoRA adapter to a loaded model")
+def adapter_add(request: HttpRequest, body: AdapterAddIn):
+    """vLLM: loaded into every READY replica at runtime (200, `applied: runtime`; 409 when the
+    version cannot or the model was started without --enable-lora). llama-server loads adapters at
+    start: its replicas restart one at a time with the new set (202, `applied: rolling_restart`)."""
+    require_role(request, "operator")
+    models = visible_models(request)
+    try:
+        if models is not None and body.model_name not in models:
+            raise LoadRefused(404, f"no model {body.model_name[:120]!r} is loaded", code="model_not_found")
+        done = runtime_adapters.add_adapter(model_name=body.model_name, adapter={
+            "name": body.name, "path": body.path, "scale": 1.0 if body.scale is None else body.scale})
+    except LoadRefused as exc:
+        _audit_refused(request, "adapter_add", f"{body.model_name}:{body.name}", exc)
+        raise _refused(exc) from None
+    record_audit(action="adapter_add", target=done["adapter"], request=request,
+                 detail={"path": body.path, "applied": done["applied"], "replicas": done["replicas"]})
+    return Status(200 if done["applied"] == "runtime" else 202, done)
+
+
+@management_router.delete("/adapters", response={200: AdapterChangeOut, 202: AdapterChangeOut}, auth=operator_auth,
+                          summary="Remove a LoRA adapter from a loaded model")
+def adapter_remove(request: HttpRequest, model_name: str, name: str):
+    """As adding: at runtime on vLLM (200), a rolling restart on llama-server (202)."""
+    require_role(request, "operator")
+    models = visible_models(request)
+    try:
+        if models is not None and model_name not in models:
+            raise LoadRefused(404, f"no model {model_name[:120]!r} is loaded", code="model_not_found")
+        done = runtime_adapters.remove_adapter(model_name=model_name, name=name)
+    except LoadRefused as exc:
+        _audit_refused(request, "adapter_remove", f"{model_name}:{name}"[:300], exc)
+        raise _refused(exc) from None
+    record_audit(action="adapter_remove", target=done["adapter"], request=request,
+                 detail={"applied": done["applied"], "replicas": done["replicas"]})
+    return Status(200 if done["applied"] == "runtime" else 202, done)
 
 
 @management_router.get("/presets", response=list[PresetOut], auth=operator_auth,

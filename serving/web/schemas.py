@@ -237,3 +237,18 @@ class PresetOut(Schema):
     updated_at: datetime
     updated_by: str | None
     engines: list[PresetCheck]
+
+
+class AdapterAddIn(StrictBody):
+    model_name: str = Field(..., max_length=128, description="the loaded model (its served name)")
+    name: str = Field(..., max_length=64, description="a-z 0-9 . _ -; served as <model_name>:<name>")
+    path: str = Field(..., max_length=1024, description="absolute path under the allowed model dirs: a LoRA GGUF "
+                      "(llama-server) or a PEFT folder (vLLM)")
+    scale: float | None = Field(1.0, ge=-16, le=16)
+
+
+class AdapterChangeOut(Schema):
+    model_name: str
+    adapter: str
+    applied: Literal["runtime", "rolling_restart"]
+    replicas: list[int]

@@ -29,6 +29,7 @@ ADDED_API = {
     # Engine presets (issue 27 #3): reading them is for those who load (operators), as changing them is.
     ("GET", "/api/management/presets", "operator"), ("PUT", "/api/management/presets", "operator"),
     ("DELETE", "/api/management/presets", "operator"),
+    ("POST", "/api/management/adapters", "operator"), ("DELETE", "/api/management/adapters", "operator"),
     # Teams (issue 26): admins change teams; reading a team and its keys is for admins and the team's
     # lead (the view holds a lead to its own teams: 404 for another; test_auth_matrix checks it).
     ("GET", "/api/teams", "viewer"), ("POST", "/api/teams", "admin"), ("GET", f"/api/teams/{MISSING_ID}", "viewer"),

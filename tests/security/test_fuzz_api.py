@@ -77,6 +77,7 @@ def test_the_preset_operations_are_fuzzed():
     assert {"GET /api/management/presets", "PUT /api/management/presets",
             "DELETE /api/management/presets"} <= set(OPERATIONS)
     assert "PUT /api/management/presets" in OWN_BODIES
+    assert {"POST /api/management/adapters", "DELETE /api/management/adapters"} <= set(OPERATIONS)
 
 
 # Changing and revoking keys go last (in this order): a case may revoke the key the fuzzer signs with.
