@@ -14,6 +14,7 @@ urlpatterns = [
     path("instances/<int:pk>/unload", views.instance_unload, name="instance-unload"),
     path("instances/<int:pk>/restart", views.instance_restart, name="instance-restart"),
     path("instances/<int:pk>/scale", views.instance_scale, name="instance-scale"),
+    path("instances/<int:pk>/adapters", views.instance_adapters, name="instance-adapters"),
     path("usage/", usage_views.usage_page, name="usage"),
     path("requests/", usage_views.requests_page, name="requests"),
     path("teams/", team_views.teams_page, name="teams"),

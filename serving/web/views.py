@@ -16,7 +16,7 @@ from accounts.models import Role
 from accounts.query import ascii_int
 from hardware.models import GpuDevice, Node
 from hub.models import ModelArtifact
-from serving.control import presets
+from serving.control import presets, runtime_adapters
 from serving.control.placement import gpu_rooms
 from serving.control.planning import LoadRefused, backends_for, plan_load
 from serving.control.replicas import request_scale
@@ -193,6 +193,7 @@ def instance_detail(request: HttpRequest, pk: int) -> HttpResponse:
     replicas = list(ModelInstance.objects.select_related("node").filter(name_holders(), model_name=inst.model_name)
                     .order_by("replica", "pk"))
     deployment = ModelDeployment.objects.filter(model_name=inst.model_name).first()
+    ctx["runtime_adapters"] = inst.backend == "vllm"
     ctx.update(replicas=replicas, replicas_desired=deployment.replicas if deployment else len(replicas),
                deployment=deployment,
                decisions=list(ScalingDecision.objects.filter(model_name=inst.model_name)[:20]))
@@ -265,6 +266,45 @@ def instance_scale(request: HttpRequest, pk: int) -> HttpResponse:
         record_audit(action="scale", target=target, request=request,
                      detail={"from": done.previous, "to": done.replicas, "started": [i.pk for i in done.started],
                              "draining": [i.pk for i in done.draining]})
+    if request.htmx:
+        return render(request, "serving/partials/_action_msg.html", {"text": text, "kind": kind})
+    getattr(messages, kind)(request, text)
+    return redirect("instance-detail", pk=pk)
+
+
+@role_required(Role.OPERATOR)
+@require_POST
+def instance_adapters(request: HttpRequest, pk: int) -> HttpResponse:
+    """The LoRA adapters card (issue 27 #1): add one (name, path, scale) or remove one, on the
+    instance's model (every replica): at runtime on vLLM, by a rolling restart on llama-server."""
+    inst = get_object_or_404(ModelInstance.objects.select_related("node"), pk=pk)
+    target = inst.model_name
+    name = (request.POST.get("name") or "").strip()[:64]
+    removing = request.POST.get("action") == "remove"
+    action = "adapter_remove" if removing else "adapter_add"
+    try:
+        if removing:
+            done = runtime_adapters.remove_adapter(model_name=target, name=name)
+        else:
+            raw_scale = (request.POST.get("scale") or "").strip() or "1"
+            try:
+                scale = float(raw_scale)
+            except ValueError:
+                raise LoadRefused(400, f"the scale {raw_scale[:20]!r} is not a number") from None
+            done = runtime_adapters.add_adapter(model_name=target, adapter={
+                "name": name, "path": (request.POST.get("path") or "").strip()[:1024], "scale": scale})
+    except LoadRefused as exc:
+        text, kind = exc.message, "error"
+        record_audit(action=action, target=f"{target}:{name}", request=request, outcome="refused",
+                     detail={"code": exc.code, "message": exc.message[:300]})
+    else:
+        kind = "success"
+        text = (f"{done['adapter']} {'removed' if removing else 'added'} at runtime on "
+                f"{len(done['replicas'])} replica(s)" if done["applied"] == "runtime" else
+                f"{done['adapter']}: the replicas restart one at a time with the new set (llama-server loads "
+                "adapters at start)")
+        record_audit(action=action, target=done["adapter"], request=request,
+                     detail={"applied": done["applied"], "replicas": done["replicas"]})
     if request.htmx:
         return render(request, "serving/partials/_action_msg.html", {"text": text, "kind": kind})
     getattr(messages, kind)(request, text)

@@ -130,3 +130,50 @@ def test_load_watch_chat_unload(demo_console, page):
     listed.get_by_role("button", name="Unload").click()
     listed.locator("[data-state=STOPPED]").wait_for(timeout=30_000)
     page.locator("#ready-count").get_by_text("0 ready of 0 active").wait_for()
+
+
+def test_lora_adapters_from_the_dialog_and_the_instance_page(demo_console, page, tiny_gguf, tmp_path):
+    """Issue 27 #1: an adapter given in the Load dialog is served as <model>:<adapter>; the
+    instance page lists it, and removing or adding one there restarts llama-server with the new
+    set (it loads adapters at start), which the page says."""
+    import httpx
+
+    from hub.demo import write_tiny_lora_gguf
+
+    console = demo_console
+    lora = write_tiny_lora_gguf(tmp_path / "pirate.gguf")
+    login(page, console.url, console.admin_user, console.admin_password)
+    page.goto(f"{console.url}/instances/new/?model_path={tiny_gguf}")
+    page.fill("#id_model_name", "tiny-lora")
+    page.fill("#id_adapters", f"pirate {lora} 0.5")
+    page.locator("#command-line").get_by_text("--lora-scaled").wait_for()
+    assert f"{lora}:0.5" in page.locator("#command-line").inner_text()
+    page.click("#load-submit")
+    page.wait_for_url(re.compile(r"/instances/\d+/$"))
+    page.locator("[data-state=READY]").wait_for(timeout=60_000)
+    row = page.locator("#adapters tr[data-adapter=pirate]")
+    assert "tiny-lora:pirate" in row.inner_text()
+    assert "restarts the replicas one at a time" in page.locator("#adapters").inner_text()
+    key = console.manage("createapikey", "--username", console.admin_user).stdout.strip().splitlines()[-1]
+    models = httpx.get(f"{console.url}/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=10).json()
+    assert "tiny-lora:pirate" in {m["id"] for m in models["data"]}
+
+    row.get_by_role("button", name="Remove").click()
+    page.locator("#action-msg").get_by_text("restart one at a time with the new set").wait_for()
+    deadline = time.monotonic() + 90
+    while True:  # the rolling restart: the replica restarts without the adapter, READY again
+        page.reload()
+        if page.locator("#no-adapters").count() and page.locator("[data-state=READY]").count():
+            break
+        assert time.monotonic() < deadline, page.locator("#timeline").inner_text()[-2000:]
+        time.sleep(1)
+    assert "adapters changed (removed tiny-lora:pirate)" in page.locator("#timeline").inner_text()
+    models = httpx.get(f"{console.url}/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=10).json()
+    assert "tiny-lora:pirate" not in {m["id"] for m in models["data"]}
+    page.fill("#adapter-name", "bad name")
+    page.fill("#adapter-path", str(lora))
+    page.evaluate("document.querySelector('#adapter-name').removeAttribute('pattern')")  # the server's own check
+    page.click("#adapter-add")
+    page.locator("#action-msg").get_by_text("may use a-z 0-9").wait_for()
+    page.click("#unload-btn")
+    page.locator("[data-state=STOPPED]").wait_for(timeout=30_000)
