@@ -40,6 +40,51 @@ async def send(group: str, message: dict[str, Any]) -> bool:
         return False
 
 
+async def watched(groups: list[str]) -> set[str]:
+    """Which of `groups` have a member now: a fragment for a group nobody watches need not be
+    rendered (a page that joins later renders its own state when its socket opens). The in-memory
+    layer's own table; channels-redis' group sets (one ZCOUNT each, members joined within its
+    group_expiry, in one pipeline); any other layer, or a layer that fails or hangs: every group
+    (rendering for nobody costs time, never a missed update)."""
+    from channels.layers import InMemoryChannelLayer, get_channel_layer
+
+    layer = get_channel_layer()
+    if layer is None:
+        return set()
+    if isinstance(layer, InMemoryChannelLayer):
+        return {g for g in groups if layer.groups.get(g)}
+    try:
+        from channels_redis.core import RedisChannelLayer
+    except ImportError:  # pragma: no cover - a dependency of cluster mode
+        return set(groups)
+    if not isinstance(layer, RedisChannelLayer):
+        return set(groups)
+    try:
+        async with asyncio.timeout(SEND_TIMEOUT_S):
+            since = int(time.time()) - layer.group_expiry
+            found = set()
+            for group in groups:
+                connection = layer.connection(layer.consistent_hash(group))
+                if await connection.zcount(layer._group_key(group), since, "+inf"):
+                    found.add(group)
+            return found
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # TimeoutError included: render for every group, as before
+        log.warning("reading who watches %s failed: %s", ", ".join(groups)[:200], exc.__class__.__name__ or exc)
+        return set(groups)
+
+
+def watched_sync(groups: list[str]) -> set[str]:
+    """`watched` for synchronous callers (every group when it cannot say in time)."""
+    from channels.layers import InMemoryChannelLayer, get_channel_layer
+
+    layer = get_channel_layer()
+    if isinstance(layer, InMemoryChannelLayer):  # a dict read: no hop to the event loop
+        return {g for g in groups if layer.groups.get(g)}
+    return call_on_main_loop(watched, list(groups), timeout=SYNC_SEND_WAIT_S, default=set(groups))
+
+
 def call_on_main_loop(fn: Callable[..., Coroutine[Any, Any, T]], *args: Any, timeout: float,
                       default: T, **kwargs: Any) -> T:
     """`async_to_sync(fn)(*args, **kwargs)` that never waits past `timeout` seconds on another loop.

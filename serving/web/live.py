@@ -6,10 +6,11 @@ from __future__ import annotations
 from django.dispatch import receiver
 from django.template.loader import render_to_string
 
+from live.groups import watched_sync
 from live.publish import publish_sync
 from serving.control.events import LIST_GROUP, instance_group
 from serving.models import InstanceEvent, ModelDeployment, ModelInstance, instance_changed
-from serving.web.dashboard import states_changed
+from serving.web.dashboard import RANGES, dashboard_group, states_changed
 
 TIMELINE_ROWS = 100
 
@@ -36,21 +37,27 @@ def state_changed(instance: ModelInstance, event: InstanceEvent | None = None, *
     A progress tick (CACHING %): only that instance's state block and its row's state cell; the
     card is not rendered again every 0.5 s.
     """
-    if not progress_only:
-        # The whole list card (page 1), not rows: the consumer joins fragments into one message, and a
-        # <tr> beside a non-table element does not survive HTML parsing. Bursts coalesce by key.
-        ctx = instances_context(can_operate=True)  # operator buttons always; viewers' pages hide them
-        publish_sync(LIST_GROUP, render_to_string("serving/partials/_instances_card.html", {**ctx, "oob": True}),
-                     key="instances-card")
-        publish_sync(LIST_GROUP, render_to_string("serving/partials/_ready_count.html", {**ctx, "oob": True}),
-                     key="ready-count")
-    # The row's state cell: all a progress tick sends, and how later pages follow their rows.
-    cell = render_to_string("serving/partials/_instance_row_state.html", {"i": instance, "oob": True})
-    publish_sync(LIST_GROUP, cell, key=f"inst-row-state-{instance.pk}")
-    state = render_to_string("serving/partials/_instance_state.html", {"inst": instance, "oob": True})
-    publish_sync(instance_group(instance.pk), state, key=f"inst-state-{instance.pk}")
-    if event is not None:
-        publish_sync(instance_group(instance.pk), timeline_html(instance.pk, oob=True), key=f"timeline-{instance.pk}")
+    group = instance_group(instance.pk)
+    dashboards = [dashboard_group(name) for name in RANGES]
+    watching = watched_sync([LIST_GROUP, group, *dashboards])  # nobody's page: nothing to render
+    if LIST_GROUP in watching:
+        if not progress_only:
+            # The whole list card (page 1), not rows: the consumer joins fragments into one message, and a
+            # <tr> beside a non-table element does not survive HTML parsing. Bursts coalesce by key.
+            ctx = instances_context(can_operate=True)  # operator buttons always; viewers' pages hide them
+            publish_sync(LIST_GROUP, render_to_string("serving/partials/_instances_card.html", {**ctx, "oob": True}),
+                         key="instances-card")
+            publish_sync(LIST_GROUP, render_to_string("serving/partials/_ready_count.html", {**ctx, "oob": True}),
+                         key="ready-count")
+        # The row's state cell: all a progress tick sends, and how later pages follow their rows.
+        cell = render_to_string("serving/partials/_instance_row_state.html", {"i": instance, "oob": True})
+        publish_sync(LIST_GROUP, cell, key=f"inst-row-state-{instance.pk}")
+    if group in watching:
+        state = render_to_string("serving/partials/_instance_state.html", {"inst": instance, "oob": True})
+        publish_sync(group, state, key=f"inst-state-{instance.pk}")
+        if event is not None:
+            publish_sync(group, timeline_html(instance.pk, oob=True), key=f"timeline-{instance.pk}")
+    if event is not None and watching.intersection(dashboards):
         states_changed()
 
 
