@@ -54,7 +54,7 @@ async def watched(groups: list[str]) -> set[str]:
     if isinstance(layer, InMemoryChannelLayer):
         return {g for g in groups if layer.groups.get(g)}
     try:
-        from channels_redis.core import RedisChannelLayer
+        from channels_redis.core import RedisChannelLayer  # type: ignore[import-untyped]
     except ImportError:  # pragma: no cover - a dependency of cluster mode
         return set(groups)
     if not isinstance(layer, RedisChannelLayer):
