@@ -10,6 +10,9 @@ from accounts.services import create_user
 
 class Command(BaseCommand):
     help = "Create a console user with a role (admin, operator, viewer)."
+    # Django's system checks import every URLconf and the whole API (1.4 of 2.3 s a call): an
+    # account command needs none of it; `manage.py check` and the server's start still run them.
+    requires_system_checks: list[str] = []
 
     def add_arguments(self, parser):
         parser.add_argument("--username", required=True)
