@@ -15,6 +15,9 @@ from serving.node.watchdog import LoopWatchdog, disarm, on_stop_signal, write_ta
 class Command(BaseCommand):
     help = ("Run the node agent for this node (one per node name: a second one, while the first beats "
             "heartbeats, is refused).")
+    # Django's system checks import every URLconf and the whole web API, which this command never
+    # serves (1.4 s a start); `manage.py check` and `manage.py serve` still run them.
+    requires_system_checks: list[str] = []
 
     def add_arguments(self, parser):
         parser.add_argument("--name", default=None, help=f"node name (default XGEN_NODE_NAME or {settings.NODE_NAME})")
