@@ -102,7 +102,8 @@ def test_agent_killed_mid_eviction_leaves_the_copy_whole_or_gone(tmp_path, tiny_
     r = first.post("/api/management/load", {"model_path": PREFIX, "model_name": "tiny-evict-kill"})
     assert r.status_code == 202, r.text
     iid = r.json()["id"]
-    assert first.wait_instance(iid, lambda b: b["state"] in ("READY", "ERROR"), timeout=120)["state"] == "READY"
+    inst = first.wait_instance(iid, lambda b: b["state"] in ("READY", "ERROR"), timeout=120)
+    assert inst["state"] == "READY", inst  # once ERROR in a run with other tests beside it: say why, next time
     assert _on_disk(cached) == files
     assert first.post("/api/management/unload", {"id": iid}).status_code == 202
     first.wait_instance(iid, lambda b: b["state"] == "STOPPED")
