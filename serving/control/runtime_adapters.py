@@ -14,6 +14,7 @@ which the routing tables of every web process follow (`instance_changed`)."""
 from __future__ import annotations
 
 import httpx
+from django.conf import settings
 from django.db import transaction
 
 from serving.adapters import get_adapter
@@ -73,7 +74,6 @@ def _store(live: list[ModelInstance], adapters: list[dict]) -> None:
                 plan, _ = replan_instance(inst, inst.extra_args)
             except LoadRefused:
                 plan = None  # the engine runs with the set; the next start plans it again
-            inst.adapters = adapters
             fields = ["adapters", "updated_at"]
             if plan is not None:
                 inst.plan = plan.to_json()
@@ -89,10 +89,9 @@ def add_adapter(*, model_name: str, adapter: dict) -> dict:
     if not engine.supports_adapters:
         raise LoadRefused(400, f"{engine.label} does not load LoRA adapters", code="adapters_unsupported")
     current = [dict(a) for a in first.adapters or []]
-    fmt = "gguf" if first.backend != "vllm" else "huggingface"
     try:
-        checked = check_adapters([*current, adapter], fmt=fmt, base_local=None,
-                                 on_this_node=first.node.name == _this_node())
+        checked = check_adapters([*current, adapter], fmt=engine.formats[0], base_local=None,
+                                 on_this_node=first.node.name == settings.NODE_NAME)
     except AdapterRefused as exc:
         raise LoadRefused(exc.status, exc.message, code=exc.code) from None
     added = checked[-1]
@@ -149,8 +148,3 @@ def _restart_with(live: list[ModelInstance], adapters: list[dict], what: str) ->
     return {"model_name": live[0].model_name, "adapter": what.split(" ", 1)[1], "applied": "rolling_restart",
             "replicas": [i.pk for i in order]}
 
-
-def _this_node() -> str:
-    from django.conf import settings
-
-    return settings.NODE_NAME
