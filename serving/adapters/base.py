@@ -167,6 +167,11 @@ class BackendAdapter:
     def build_command(self, spec: LaunchSpec) -> list[str]:
         raise NotImplementedError
 
+    def serving_defaults(self, spec: LaunchSpec) -> tuple[list[str], str]:
+        """The argv the console adds for many users at once where the load sets none of it (issue
+        28 #2), and why, for the verdict; ([], "") where the engine's own defaults stand."""
+        return [], ""
+
     def device_env(self, spec: LaunchSpec) -> dict[str, str]:
         """Which GPUs the process may see."""
         ids = ",".join(str(g) for g in spec.gpus)
@@ -261,12 +266,14 @@ class BackendAdapter:
                 raise InvalidExtraArgs(f"{flag} must be one of {', '.join(choices)}")
         return text
 
+    def checked_extra_args(self, spec: LaunchSpec) -> dict:
+        """The spec's extra_args as normalize_extra_args gives them (unless the spec says they are)."""
+        return spec.extra_args if spec.extra_args_checked else self.normalize_extra_args(spec.extra_args, spec.version)
+
     def extra_argv(self, spec: LaunchSpec) -> list[str]:
         """extra_args as argv items (checked here unless the spec says they were)."""
-        checked = spec.extra_args if spec.extra_args_checked else self.normalize_extra_args(spec.extra_args,
-                                                                                            spec.version)
         argv: list[str] = []
-        for flag, value in checked.items():
+        for flag, value in self.checked_extra_args(spec).items():
             if value is True:
                 argv.append(flag)
             elif value is False:

@@ -354,7 +354,8 @@ def make_launch_plan(*, node: Node, source: ModelSource, model_name: str, server
         backend=choice.backend, flavour=choice.flavour, version=choice.version, executable=choice.path,
         gpu_type=gpu_type, gpus=tuple(chosen), tensor_parallel_size=tp, argv=tuple(adapter.build_command(spec)),
         env=adapter.env_additions(spec), host=spec.host, estimate_mib=estimate.total_mib,
-        estimate_detail=estimate.detail, reason=choice.reason, fit=fit, adapters=tuple(adapters or ()),
+        estimate_detail=estimate.detail, fit=fit, adapters=tuple(adapters or ()),
+        reason="; ".join(filter(None, (choice.reason, adapter.serving_defaults(spec)[1]))),
         preset={**preset, "flags": preset_flags} if preset else None,
     )
     return plan, estimate, extra

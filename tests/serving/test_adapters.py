@@ -125,6 +125,27 @@ def test_llama_server_embedding_cpu_and_flags_by_build():
     assert "-ngl" not in cmd and cmd[cmd.index("--n-gpu-layers") + 1] == "20"
 
 
+def test_llama_server_serves_many_users_by_default():
+    """Issue 28 #2: a chat model gets 16 slots over one unified KV cache; a load or preset that sets
+    the slots or the KV layout keeps its own; embedding and rerank models and old builds get none."""
+    ls = get_adapter("llama-server")
+    cmd = ls.build_command(spec(model_file=GGUF, model_name="t", flavour="cpu", version="b6500"))
+    assert cmd[cmd.index("--parallel") + 1] == "16" and "--kv-unified" in cmd
+    assert "16 slots" in ls.serving_defaults(spec(model_file=GGUF, model_name="t", version="b6500"))[1]
+    for extra in ({"--parallel": 2}, {"--no-kv-unified": True}, {"--kv-unified": True, "--parallel": 4}):
+        cmd = ls.build_command(spec(model_file=GGUF, model_name="t", version="b6500", extra_args=extra))
+        assert cmd.count("--parallel") == ("--parallel" in extra), cmd
+        assert cmd.count("--kv-unified") == ("--kv-unified" in extra), cmd
+    for server_type in ("embedding", "rerank"):
+        cmd = ls.build_command(spec(model_file=GGUF, model_name="e", server_type=server_type, version="b6500"))
+        assert "--parallel" not in cmd and "--kv-unified" not in cmd
+    old = ls.build_command(spec(model_file=GGUF, model_name="t", version="b6000"))
+    assert "--parallel" not in old and "--kv-unified" not in old
+    with pytest.raises(InvalidExtraArgs, match="--kv-unified"):
+        ls.normalize_extra_args({"--kv-unified": True}, "b6000")
+    assert get_adapter("llama-cpp-python").serving_defaults(spec(model_file=GGUF, model_name="t")) == ([], "")
+
+
 def test_llama_cpp_python_command():
     lcp = get_adapter("llama-cpp-python")
     cmd = lcp.build_command(spec(model_file=GGUF, model_name="tiny", server_type="embedding",

@@ -254,3 +254,30 @@ def test_the_engine_runs_with_the_default_preset(pc, tiny_gguf):
     assert chat.status_code == 200, chat.text
     httpx.post(f"{pc.url}/api/management/unload", headers=pc.auth, json={"id": pk}, timeout=10)
     wait_api(f"{pc.url}/api/management/instances/{pk}", pc.key, lambda b: b["state"] == "STOPPED", timeout=60)
+
+
+@pytest.mark.slow  # a real llama-server
+def test_a_chat_model_gets_sixteen_slots_over_the_whole_context_by_default(pc, tiny_gguf):
+    """Issue 28 #2: with no preset and no --parallel, llama-server runs DEFAULT_SLOTS slots over
+    one unified KV cache, so each slot still takes the model's whole context (2,048 for the tiny
+    model), and the verdict says why."""
+    r = httpx.post(f"{pc.url}/api/management/load", headers=pc.auth, timeout=30,
+                   json={"model_path": str(tiny_gguf), "model_name": "slots16", "preset": "none"})
+    assert r.status_code == 202 and r.json()["backend"] == "llama-server", r.text
+    pk = r.json()["id"]
+    inst = wait_api(f"{pc.url}/api/management/instances/{pk}", pc.key, lambda b: b["state"] in ("READY", "ERROR"),
+                    timeout=120)
+    assert inst["state"] == "READY", inst
+    argv = inst["command"]
+    assert argv[argv.index("--parallel") + 1] == "16" and "--kv-unified" in argv, argv
+    assert "16 slots sharing one KV cache" in inst["backend_reason"], inst["backend_reason"]
+    code = ("from serving.node.logs import current_log; "
+            f"print(current_log({pk}).read_text(errors='replace'))")
+    log = pc.console.manage("shell", "-v", "0", "-c", code).stdout
+    # llama-server's own account: every slot takes the whole 2,048 (not 2,048 / 16)
+    assert "n_slots = 16, n_ctx_slot = 2048, kv_unified = 'true'" in log, log[-3000:]
+    chats = [httpx.post(f"{pc.url}/v1/chat/completions", headers=pc.auth, timeout=60, json={
+        "model": "slots16", "messages": [{"role": "user", "content": f"hi {i}"}], "max_tokens": 2}) for i in range(2)]
+    assert [c.status_code for c in chats] == [200, 200], [c.text for c in chats]
+    httpx.post(f"{pc.url}/api/management/unload", headers=pc.auth, json={"id": pk}, timeout=10)
+    wait_api(f"{pc.url}/api/management/instances/{pk}", pc.key, lambda b: b["state"] == "STOPPED", timeout=60)
