@@ -6,6 +6,7 @@ The end-to-end run (a web process killed with kill -9 in cluster mode) is
 tests/cluster/test_web_killed_usage.py."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -338,3 +339,31 @@ def test_a_segment_of_the_version_before_resumed_streams_replays_with_no_resumes
     assert replay_journal(tmp_path) == 2
     assert sorted(RequestLog.objects.values_list("request_id", "resumes", "prompt_tokens")) == [
         ("before-1", 0, 2), ("now-1", 2, 2)]
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_a_flush_cancelled_mid_write_writes_its_rows_once(tmp_path):
+    """stop() at a shutdown cancels the writer while its write runs in a database thread: the
+    thread commits all the same, and the rows it wrote were given back and written again by the
+    stop's own flush (CI, 2026-12-07: two identical 499 rows in test_abandoned_requests and in
+    test_web_sigterm). The cancel comes at several moments of the write, one round each."""
+    import asyncio
+    from collections import Counter
+
+    from asgiref.sync import sync_to_async
+
+    recorder = UsageRecorder(journal=UsageJournal(tmp_path))
+    delays = (0.0, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032)
+    for n, delay in enumerate(delays):
+        _record(recorder, 2, prefix=f"r{n}")
+        flushing = asyncio.ensure_future(recorder.flush())
+        await asyncio.sleep(delay)
+        flushing.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await flushing
+        await recorder.flush()  # what stop() does next
+    ids = await sync_to_async(lambda: list(RequestLog.objects.values_list("request_id", flat=True)))()
+    twice = {i: c for i, c in Counter(ids).items() if c > 1}
+    assert not twice, twice
+    assert len(ids) == 3 * len(delays)
+    assert _segments(tmp_path) == []
