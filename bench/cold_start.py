@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import json
 import os
 import statistics
 import sys
@@ -40,7 +39,7 @@ from tests.conftest import start_console  # noqa: E402
 from tests.procs import stop_process  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from load_time import started_by_hand  # noqa: E402  (bench/load_time.py: the same start by hand)
+from load_time import console_key, started_by_hand  # noqa: E402  (bench/load_time.py: the same start by hand)
 
 ENGINE = "llama-cpp-python"
 POLL_S = 0.01
@@ -81,14 +80,7 @@ def main() -> None:
         console = start_console(Path(tmp) / "console", extra_env={
             "XGEN_RECONCILE_INTERVAL": "1", "XGEN_COLD_START_KEEPALIVE_S": "2", "XGEN_USAGE_FLUSH": "1"})
         try:
-            code = ("import json; from hardware.models import Node; print(Node.objects.filter(name='test-node')"
-                    f".update(backends=json.loads({json.dumps(backends)!r})))")
-            deadline = time.monotonic() + 30
-            while console.manage("shell", "-v", "0", "-c", code).stdout.strip() != "1":
-                if time.monotonic() > deadline:
-                    raise RuntimeError("the node never registered")
-                time.sleep(0.2)
-            key = console.manage("createapikey", "--username", "admin").stdout.strip().splitlines()[-1]
+            key = console_key(console, backends)
             auth = {"Authorization": f"Bearer {key}"}
             client = httpx.Client(base_url=console.url, headers=auth, timeout=30, trust_env=False)
 

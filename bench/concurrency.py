@@ -19,7 +19,6 @@ import asyncio
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,12 +35,10 @@ django.setup()
 
 import httpx  # noqa: E402
 from engines import PROMPT, demo_model  # noqa: E402  (bench/engines.py)
-from proxy_overhead import free_port, stop  # noqa: E402  (bench/proxy_overhead.py)
+from load_time import console_key, started_by_hand  # noqa: E402  (bench/load_time.py)
 from replicas import pct  # noqa: E402  (bench/replicas.py)
 
 from hardware.backends import probe_llama_cpp_python, probe_llama_server  # noqa: E402
-from serving.adapters import get_adapter  # noqa: E402
-from serving.adapters.base import LaunchSpec  # noqa: E402
 from tests.conftest import start_console  # noqa: E402
 from tests.procs import stop_process  # noqa: E402
 
@@ -74,21 +71,6 @@ async def batch(url: str, headers: dict, model: str, tokens: int, concurrency: i
     return sum(n for _, n in results) / wall, [t for t, _ in results]
 
 
-def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 60) -> None:
-    """Until llama-server's /health answers 200 (503 while its model loads)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"llama-server exited with {proc.returncode}")
-        try:
-            if httpx.get(url, timeout=2, trust_env=False).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.05)
-    raise TimeoutError(url)
-
-
 def measure(url: str, headers: dict, model: str, tokens: int, into: dict) -> None:
     asyncio.run(batch(url, headers, model, 4, 2))  # warm-up, not measured
     for level in LEVELS:
@@ -104,21 +86,13 @@ def main() -> None:
     row = probe_llama_server()
     if not row["available"]:
         raise SystemExit(f"llama-server is not available here: {row['reason']}")
-    adapter = get_adapter("llama-server")
     results: dict[str, dict[int, list]] = {}
     with tempfile.TemporaryDirectory(prefix="xgen-bench-") as tmp:
         model = demo_model(Path(tmp))
         console = start_console(Path(tmp) / "console")
         try:
             backends = [probe_llama_cpp_python(), row]
-            code = ("import json; from hardware.models import Node; print(Node.objects.filter(name='test-node')"
-                    f".update(backends=json.loads({json.dumps(backends)!r})))")
-            deadline = time.monotonic() + 30
-            while console.manage("shell", "-v", "0", "-c", code).stdout.strip() != "1":
-                if time.monotonic() > deadline:
-                    raise RuntimeError("the node never registered")
-                time.sleep(0.2)
-            key = console.manage("createapikey", "--username", "admin").stdout.strip().splitlines()[-1]
+            key = console_key(console, backends)
             auth = {"Authorization": f"Bearer {key}"}
             with httpx.Client(base_url=console.url, headers=auth, timeout=60, trust_env=False) as client:
                 r = client.post("/api/management/load", json={"model_path": str(model), "model_name": "demo",
@@ -134,19 +108,10 @@ def main() -> None:
                     measure(f"{console.url}/v1/chat/completions", auth, "demo", args.tokens,
                             results.setdefault("console (its defaults)", {}))
                     for slots in SWEEP:
-                        spec = LaunchSpec(model_file=model, model_name="demo", server_type="llm", host="127.0.0.1",
-                                          port=free_port(), flavour=row["flavour"], version=row["version"],
-                                          executable=row["path"],
-                                          extra_args={"--parallel": slots, "--kv-unified": True})
-                        proc = subprocess.Popen(adapter.build_command(spec), stdout=subprocess.DEVNULL,
-                                                stderr=subprocess.STDOUT, start_new_session=True,
-                                                env=adapter.build_env(spec, dict(os.environ)))
-                        try:
-                            wait_ready(f"http://127.0.0.1:{spec.port}/health", proc)
-                            measure(f"http://127.0.0.1:{spec.port}/v1/chat/completions", {}, "demo", args.tokens,
+                        with started_by_hand("llama-server", row, model, slots,
+                                             {"--parallel": slots, "--kv-unified": True}) as (_, base, spec, _, _):
+                            measure(f"{base}/v1/chat/completions", {}, spec.model_name, args.tokens,
                                     results.setdefault(f"by hand, --parallel {slots}", {}))
-                        finally:
-                            stop(proc)
         finally:
             stop_process(console.proc, timeout=60)
 

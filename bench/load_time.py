@@ -45,14 +45,28 @@ def node_backends() -> list[dict]:
     return [probe_llama_cpp_python(), probe_llama_server()]
 
 
+def console_key(console, backends: list[dict]) -> str:
+    """Once the console's own node has registered, give it `backends` (the engines this machine
+    has, as the probes report them) and return a new key of its admin."""
+    code = ("import json; from hardware.models import Node; "
+            f"print(Node.objects.filter(name='test-node').update(backends=json.loads({json.dumps(backends)!r})))")
+    deadline = time.monotonic() + 30
+    while console.manage("shell", "-v", "0", "-c", code).stdout.strip() != "1":
+        if time.monotonic() > deadline:
+            raise RuntimeError("the node never registered")
+        time.sleep(0.2)
+    return console.manage("createapikey", "--username", "admin").stdout.strip().splitlines()[-1]
+
+
 @contextlib.contextmanager
-def started_by_hand(engine: str, row: dict, model: Path, i: int):
-    """The backend started as the console would (same argv and environment), by hand: yields
-    (client, base URL, spec, adapter, the perf_counter at Popen) once its health path answers 200;
-    stopped on leaving."""
+def started_by_hand(engine: str, row: dict, model: Path, i: int, extra_args: dict | None = None):
+    """The backend started as the console would (same argv and environment, plus `extra_args`), by
+    hand: yields (client, base URL, spec, adapter, the perf_counter at Popen) once its health path
+    answers 200; stopped on leaving."""
     adapter = get_adapter(engine)
     spec = LaunchSpec(model_file=model, model_name=f"hand-{i}", server_type="llm", host="127.0.0.1",
-                      port=free_port(), flavour=row["flavour"], version=row["version"], executable=row["path"])
+                      port=free_port(), flavour=row["flavour"], version=row["version"], executable=row["path"],
+                      extra_args=extra_args or {})
     cmd = adapter.build_command(spec)
     env = adapter.build_env(spec, dict(os.environ))
     base = f"http://127.0.0.1:{spec.port}"
@@ -92,14 +106,7 @@ def interleaved(model: Path, runs: int, data: Path, engines: list[str]) -> dict[
             raise SystemExit(f"{engine} is not available here: {rows[engine]['reason']}")
     console = start_console(data)
     try:
-        code = ("import json; from hardware.models import Node; "
-                f"print(Node.objects.filter(name='test-node').update(backends=json.loads({json.dumps(backends)!r})))")
-        deadline = time.monotonic() + 30
-        while console.manage("shell", "-v", "0", "-c", code).stdout.strip() != "1":
-            if time.monotonic() > deadline:
-                raise RuntimeError("the node never registered")
-            time.sleep(0.2)
-        key = console.manage("createapikey", "--username", "admin").stdout.strip()
+        key = console_key(console, backends)
         api = httpx.Client(base_url=f"{console.url}/api/management", headers={"Authorization": f"Bearer {key}"},
                            timeout=10, trust_env=False)
         out = {e: {"health": [], "warm": [], "console": []} for e in engines}

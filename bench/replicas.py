@@ -40,6 +40,7 @@ from tests.conftest import engine_command, start_console  # noqa: E402
 from tests.procs import stop_process  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from load_time import console_key  # noqa: E402  (bench/load_time.py)
 from proxy_overhead import free_port, stop, wait_http  # noqa: E402  (bench/proxy_overhead.py)
 
 CTX = 4096
@@ -145,14 +146,7 @@ def main() -> None:
         console = start_console(Path(tmp) / "console", extra_env={"XGEN_RECONCILE_INTERVAL": "1"})
         client = None
         try:
-            code = ("import json; from hardware.models import Node; print(Node.objects.filter(name='test-node')"
-                    f".update(backends=json.loads({json.dumps(backends)!r})))")
-            deadline = time.monotonic() + 30
-            while console.manage("shell", "-v", "0", "-c", code).stdout.strip() != "1":
-                if time.monotonic() > deadline:
-                    raise RuntimeError("the node never registered")
-                time.sleep(0.2)
-            key = console.manage("createapikey", "--username", "admin").stdout.strip().splitlines()[-1]
+            key = console_key(console, backends)
             auth = {"Authorization": f"Bearer {key}"}
             client = httpx.Client(base_url=console.url, headers=auth, timeout=60, trust_env=False)
             for replicas in (1, 2):
