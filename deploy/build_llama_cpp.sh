@@ -12,6 +12,9 @@
 #   llama.cpp/VERSION/bin/llama-server      the server
 #   llama.cpp/VERSION/lib/                  libllama, libggml*, libmtmd (RPATH $ORIGIN)
 #   llama.cpp/VERSION/build.json            written last: present = complete
+#   llama.cpp/VERSION.building              while it compiles: {pid, commit, flavour, started, log}; the
+#                                           console reads the progress from that log (hardware/llama_build.py)
+#   llama.cpp/VERSION.failed                the last build's error, until a build succeeds
 # A second run with the same VERSION does nothing (seconds).
 #
 # GPU builds (the images in deploy/Dockerfile.cuda): XGEN_LLAMA_GPU=cuda (or hip) and
@@ -36,11 +39,25 @@ prefix="$cache/llama.cpp/$version"
 sdist_dir="$cache/sdist"
 sdist="$sdist_dir/llama_cpp_python-$version.tar.gz"
 
+state="$prefix.building"
+failed="$prefix.failed"
+
 # A GPU build's llama-server needs the driver's libcuda/libamdhip64 to start: only its files are checked.
 runs() { if [ "$flavour" = cpu ]; then "$1/bin/llama-server" --version >/dev/null 2>&1; else [ -x "$1/bin/llama-server" ]; fi; }
 if ! $download_only && [ -f "$prefix/build.json" ] && runs "$prefix"; then
   echo "llama.cpp $version: cached in $prefix"
   exit 0
+fi
+
+# One build at a time per version: a second run (another bootstrap) waits for the first one's result.
+other="$(sed -n 's/.*"pid": \([0-9]*\).*/\1/p' "$state" 2>/dev/null || true)"
+if ! $download_only && [ -n "$other" ] && grep -qa build_llama_cpp "/proc/$other/cmdline" 2>/dev/null; then
+  echo "llama.cpp $version: another build runs (pid $other); waiting for it"
+  while kill -0 "$other" 2>/dev/null; do sleep 2; done
+  if [ -f "$prefix/build.json" ] && runs "$prefix"; then
+    echo "llama.cpp $version: cached in $prefix"
+    exit 0
+  fi
 fi
 
 mkdir -p "$sdist_dir" "$cache/llama.cpp"
@@ -56,15 +73,38 @@ fi
 $download_only && exit 0
 
 work="$(mktemp -d "$cache/llama.cpp/.build-$version.XXXXXX")"
-trap 'rm -rf "$work"' EXIT
+# The console shows "llama.cpp building: N %" while $state names a live pid, and the error in
+# $failed after a failed build (a console started before the build ended, deploy/bootstrap.sh run).
+fail() {
+  local error="$1" tail_file="${2:-}"
+  echo "llama.cpp $version: $error" >&2
+  [ -n "$tail_file" ] && tail -n 60 "$tail_file" >&2
+  "$python" - "$failed" "$error" "${tail_file:-/dev/null}" <<'PY' || true
+import json, sys, time
+path, error, tail_file = sys.argv[1:4]
+with open(tail_file, errors="replace") as f:
+    tail = f.read()[-4000:]
+with open(path + ".part", "w") as out:
+    json.dump({"error": error, "tail": tail, "at": int(time.time())}, out)
+import os; os.replace(path + ".part", path)
+PY
+  exit 1
+}
+trap 'rm -rf "$work" "$state"' EXIT
 trap 'exit 130' INT TERM
 tar -xzf "$sdist" -C "$work"
 src="$work/llama_cpp_python-$version/vendor/llama.cpp"
 if [ ! -f "$src/tools/server/server.cpp" ] || [ ! -f "$src/LICENSE" ]; then
-  echo "llama.cpp $version: the source package has no vendor/llama.cpp/tools/server" >&2
-  exit 1
+  fail "the source package has no vendor/llama.cpp/tools/server"
 fi
 commit="$(git -C "$src" rev-parse --short HEAD 2>/dev/null || echo unknown)"
+started_at=$(date +%s)
+write_state() {  # $1: llama.cpp's own version, once configured ("" before)
+  printf '{"pid": %d, "version": "%s", "commit": "%s", "llama_version": "%s", "flavour": "%s", "started": %d, "log": "%s"}\n' \
+    "$$" "$version" "$commit" "$1" "$flavour" "$started_at" "$work/build.log" >"$state.part"
+  mv "$state.part" "$state"
+}
+write_state ""
 
 # Portable CPU build (GGML_NATIVE=OFF still enables AVX/AVX2/FMA/F16C on x86), shared libraries,
 # only the server and what it links. No web UI, no HTTPS, nothing fetched while configuring.
@@ -96,19 +136,23 @@ esac
 jobs="${XGEN_BUILD_JOBS:-$(nproc)}"
 started=$(date +%s)
 echo "llama.cpp $version ($commit, $flavour${gpu_archs:+ for $gpu_archs}): building llama-server and the shared libraries with $jobs jobs (minutes)"
-cmake -S "$src" -B "$work/build" "${flags[@]}" >"$work/configure.log" 2>&1 || { cat "$work/configure.log" >&2; exit 1; }
+cmake -S "$src" -B "$work/build" "${flags[@]}" >"$work/configure.log" 2>&1 \
+  || fail "configuring the build failed" "$work/configure.log"
+# llama.cpp's version as CMake states it ("0.5.0-dev"): with build 0 and the commit, what the
+# built llama-server's --version will say, so a load planned meanwhile records the right one.
+write_state "$(sed -n 's/^-- llama.cpp version: \([A-Za-z0-9.+-]*\)$/\1/p' "$work/configure.log" | head -n 1)"
 cmake --build "$work/build" --target llama-server -j "$jobs" >"$work/build.log" 2>&1 \
-  || { tail -n 60 "$work/build.log" >&2; exit 1; }
+  || fail "compiling llama-server failed" "$work/build.log"
 
 out="$work/out"
 mkdir -p "$out/bin" "$out/lib"
 cp -a "$work/build/bin/llama-server" "$out/bin/"
 cp -a "$work/build/bin/"lib*.so* "$out/lib/"
 cp -a "$src/LICENSE" "$out/LICENSE"
-runs "$out" || { echo "llama.cpp $version: the built llama-server does not run" >&2; exit 1; }
+runs "$out" || fail "the built llama-server does not run"
 seconds=$(( $(date +%s) - started ))
 printf '{"llama_cpp_python": "%s", "llama_cpp_commit": "%s", "flavour": "%s", "gpu_archs": "%s", "build_seconds": %d}\n' \
   "$version" "$commit" "$flavour" "$gpu_archs" "$seconds" >"$out/build.json"
-rm -rf "$prefix"
+rm -rf "$prefix" "$failed"
 mv "$out" "$prefix"
 echo "llama.cpp $version: built in ${seconds} s into $prefix"

@@ -33,6 +33,7 @@ def _node_out(card: NodeCard) -> dict[str, Any]:
         "last_heartbeat": node.last_heartbeat,
         "draining_since": node.draining_since,
         "backends": node.backend_names,
+        "llama_build": node.llama_build,
         "gpus": [_gpu_out(row) for row in card.gpus],
     }
 

@@ -8,7 +8,12 @@ llama.cpp is built once per llama-cpp-python version by `deploy/build_llama_cpp.
 `$XGEN_CACHE_DIR/llama.cpp/<version>/` (bin/llama-server and lib/ with libllama): the same
 compile serves llama-server and, through LLAMA_CPP_LIB_PATH, a llama-cpp-python installed
 without its own library (`CMAKE_ARGS=-DLLAMA_BUILD=OFF`). `llama_cpp_lib_env()` says whether
-that variable is needed; the hardware app exports it once at start (hardware/apps.py).
+that variable is needed; the hardware app exports it at start (hardware/apps.py) and every probe
+again (a build that ends after the start).
+
+While that build runs (or after it failed) the llama.cpp rows carry one more key, `build`
+(hardware.llama_build.BuildState.to_json: state building|failed, percent, label): a load may
+choose an engine that is still building and waits for it (serving.node.supervisor).
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from hardware.detectors.torch_cuda import torch_wheel_build
+from hardware.llama_build import BuildState, build_state
 
 PROBE_TIMEOUT_S = 10.0
 
@@ -99,6 +105,47 @@ def llama_cpp_build(version: str | None = None) -> Path | None:
     return builds[-1] if builds else None
 
 
+def llama_cpp_build_state(version: str | None = None) -> BuildState | None:
+    """The llama.cpp build of `version` (default: the installed llama-cpp-python's) that is running
+    or failed beside the cache, CPU build first, then a GPU one; None when there is none."""
+    version = llama_cpp_python_version() if version is None else version
+    if not version:
+        return None
+    root = cache_dir() / "llama.cpp"
+    for name in (version, f"{version}-cuda", f"{version}-hip"):
+        state = build_state(root, name)
+        if state is not None:
+            return state
+    return None
+
+
+def waiting_build(backend: str, executable: str = "") -> BuildState | None:
+    """The build a start of `backend` must wait for (or that failed), when that engine is not here
+    yet: llama-server whose `executable` does not exist, llama-cpp-python without a libllama to
+    load. None when the engine is here, is no llama.cpp engine, or no build runs or failed."""
+    if backend == "llama-server":
+        if executable and os.access(executable, os.X_OK):
+            return None
+    elif backend == "llama-cpp-python":
+        spec = importlib.util.find_spec("llama_cpp")
+        own = spec is not None and spec.submodule_search_locations and \
+            _own_llama_lib(Path(next(iter(spec.submodule_search_locations))))
+        if own or os.environ.get("LLAMA_CPP_LIB_PATH") or llama_cpp_lib_env():
+            return None
+    else:
+        return None
+    return llama_cpp_build_state()
+
+
+def _build_row(name: str, state: BuildState, path: str) -> dict[str, Any]:
+    """A llama.cpp engine that is not here yet: its build runs (or failed); `build` says which."""
+    version = state.llama_server_version if name == "llama-server" else state.version.split("-")[0]
+    row = backend_row(name, available=False, version=version, flavour=state.to_json()["flavour"], path=path,
+                      reason=f"{name}: {state.label}")
+    row["build"] = state.to_json()
+    return row
+
+
 def build_info(build: Path) -> dict[str, Any]:
     """What deploy/build_llama_cpp.sh recorded about a build ({} when unreadable)."""
     try:
@@ -158,6 +205,9 @@ def probe_llama_server(binary: str | None = None) -> dict[str, Any]:
     if not path:
         path, source = find_llama_server()
     if not path:
+        state = llama_cpp_build_state()
+        if state is not None and state.prefix is not None:
+            return _build_row("llama-server", state, str(state.prefix / "bin" / "llama-server"))
         return backend_row("llama-server", available=False,
                            reason="llama-server: not found (XGEN_LLAMA_SERVER_BIN, PATH, or the build "
                                   "deploy/build_llama_cpp.sh caches)")
@@ -217,6 +267,10 @@ def probe_llama_cpp_python() -> dict[str, Any]:
     package_dir = Path(next(iter(spec.submodule_search_locations)))
     version = llama_cpp_python_version()
     lib_env = llama_cpp_lib_env()
+    if not lib_env and not os.environ.get("LLAMA_CPP_LIB_PATH") and not _own_llama_lib(package_dir):
+        state = llama_cpp_build_state(version)  # its libllama is the build's: no import can work yet
+        if state is not None:
+            return _build_row("llama-cpp-python", state, str(package_dir))
     lib_dir = Path(os.environ.get("LLAMA_CPP_LIB_PATH") or lib_env.get("LLAMA_CPP_LIB_PATH") or package_dir / "lib")
     # Imported in a child process: proves libllama loads here without putting it (or a crash
     # of a mismatched GPU build) into the agent.
@@ -245,6 +299,7 @@ PROBES = {
 
 def probe_backends() -> list[dict[str, Any]]:
     """Every backend's availability on this node (see the module docstring for the shape)."""
+    export_llama_cpp_lib_path()  # a build that finished since the last probe: backends inherit its path
     rows = []
     for name, probe in PROBES.items():
         try:

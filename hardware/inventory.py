@@ -26,6 +26,11 @@ log = logging.getLogger("xgen.hardware")
 BACKEND_REPROBE_EVERY = 30
 
 
+def _has_build(backends: list[dict[str, Any]] | None) -> bool:
+    """A backend row that names a llama.cpp build running (or failed) on this node."""
+    return any(b.get("build") for b in backends or [])
+
+
 def collect_inventory(chain: list[Detector] | None = None) -> InventoryResult:
     """Full inventory: the detector chain and the backend probe (blocking; run in a thread)."""
     return InventoryResult(report=detect(chain), backends=probe_backends())
@@ -58,11 +63,13 @@ class InventoryWorker:
         self._detector: Detector | None = None
         self._cpu_times = read_cpu_times()
         self._refreshes = 0
+        self._building = False  # a llama.cpp build runs (or failed): re-probe at every refresh
 
     async def start(self, agent: Any) -> None:
         """Run the detector chain and the backend probe; save and publish before the agent counts as started."""
         result = await asyncio.to_thread(collect_inventory, self.chain)
         self.report = result.report
+        self._building = _has_build(result.backends)
         chain = self.chain if self.chain is not None else [cls() for cls in DETECTORS.values()]
         self._detector = next((d for d in chain if d.name == result.report.detector), None)
         await run_db(save_inventory, node_name=agent.name, result=result, run=getattr(agent, "run_id", ""))
@@ -82,8 +89,13 @@ class InventoryWorker:
         if self.report is None:
             return await self.start(agent)
         self._refreshes += 1
-        reprobe = self._refreshes % BACKEND_REPROBE_EVERY == 0
+        reprobe = self._building or self._refreshes % BACKEND_REPROBE_EVERY == 0
         result = await asyncio.to_thread(refresh_inventory, self.report, self._detector, reprobe=reprobe)
+        if result.backends is not None:
+            if self._building and not _has_build(result.backends):
+                log.info("llama.cpp on %s: the build ended; backends %s", agent.name,
+                         [b["name"] for b in result.backends if b["available"]])
+            self._building = _has_build(result.backends)
         times = read_cpu_times()
         result.report.cpu.percent = cpu_percent(self._cpu_times, times)
         self._cpu_times = times

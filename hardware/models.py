@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any
 
 from django.conf import settings
 from django.db import models
@@ -80,6 +81,12 @@ class Node(models.Model):
     @property
     def is_online(self) -> bool:
         return self.status == NodeStatus.ONLINE
+
+    @property
+    def llama_build(self) -> dict[str, Any] | None:
+        """The llama.cpp build running (or failed) on this node, as its probe recorded it
+        (hardware.llama_build.BuildState.to_json), else None."""
+        return next((b["build"] for b in self.backends or [] if isinstance(b.get("build"), dict)), None)
 
     @property
     def backend_names(self) -> list[str]:

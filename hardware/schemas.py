@@ -15,6 +15,16 @@ class GpuOut(Schema):
     instance_id: int | None
 
 
+class LlamaBuildOut(Schema):
+    version: str = Field(description="llama-cpp-python's version, whose vendored llama.cpp is built")
+    state: str = Field(description="building | failed")
+    percent: int | None = Field(None, description="CMake's own progress; null while it configures")
+    flavour: str
+    started: float = Field(description="Unix time the compile started (building) or failed (failed)")
+    error: str
+    label: str = Field(description='what the pages show, e.g. "llama.cpp 0.3.36 building: 45 %"')
+
+
 class NodeOut(Schema):
     name: str
     address: str
@@ -23,4 +33,7 @@ class NodeOut(Schema):
     draining_since: datetime | None = Field(None, description="when its agent began draining (SIGTERM): "
                                                               "nothing new is placed on it; null: not draining")
     backends: list[str]
+    llama_build: LlamaBuildOut | None = Field(None, description="the llama.cpp build running (or failed) on the "
+                                                                "node; null when none: loads of llama-server and "
+                                                                "llama-cpp-python wait for a running one")
     gpus: list[GpuOut]

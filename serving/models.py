@@ -305,6 +305,19 @@ class ModelInstance(models.Model):
         _announce(self, None, progress_only=True)
         return True
 
+    def set_waiting(self, message: str, pct: float | None) -> bool:
+        """What a PENDING start waits for (a llama.cpp build: its percent), written only while the
+        instance is still PENDING; no timeline row. True when the row was updated."""
+        now = timezone.now()
+        pct = None if pct is None else round(pct, 1)
+        updated = type(self).objects.filter(pk=self.pk, state=InstanceState.PENDING).update(
+            progress_pct=pct, state_message=message[:500], updated_at=now)
+        if not updated:
+            return False
+        self.state, self.progress_pct, self.state_message, self.updated_at = InstanceState.PENDING, pct, message[:500], now
+        _announce(self, None, progress_only=True)
+        return True
+
     def mark_loading(self, *, pid: int, pgid: int, port: int, gpus: list[int], message: str,
                      backend_key: str = "") -> ModelInstance:
         """The backend process runs (pid, its group, its port, the GPUs it holds, the secret it

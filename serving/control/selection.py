@@ -71,12 +71,24 @@ def node_gpu_type(gpu_types: list[str] | set[str]) -> str:
     return sorted(types)[0] if types else CPU
 
 
+def building(row: dict) -> str:
+    """"llama.cpp 0.3.36 building: 45 %" for an engine whose build still runs on its node, else ""."""
+    build = row.get("build")
+    return str(build.get("label") or "") if isinstance(build, dict) and build.get("state") == "building" else ""
+
+
 def _available(backends: list[dict]) -> dict[tuple[str, str], dict]:
+    """Installed backends by (name, flavour), and those whose build runs: a load waits for it."""
     out: dict[tuple[str, str], dict] = {}
     for b in backends or []:
-        if b.get("available") and b.get("name") in ADAPTERS:
+        if (b.get("available") or building(b)) and b.get("name") in ADAPTERS:
             out.setdefault((b["name"], b.get("flavour") or "cpu"), b)
     return out
+
+
+def _waits(row: dict) -> str:
+    label = building(row)
+    return f" ({label}; the load starts when it is built)" if label else ""
 
 
 def _have_text(backends: list[dict]) -> str:
@@ -179,7 +191,7 @@ def choose_backend(*, fmt: str, gpu_type: str, backends: list[dict], requested: 
             )
         b = have[(requested, flavour)]
         return BackendChoice(requested, flavour, b.get("version") or "", b.get("path") or "",
-                             f"{requested} ({flavour}) chosen explicitly")
+                             f"{requested} ({flavour}) chosen explicitly" + _waits(b))
     if impossible:
         raise BackendUnavailable(impossible)
     prefs = PREFERENCES.get((fmt, gpu_type))
@@ -204,7 +216,7 @@ def choose_backend(*, fmt: str, gpu_type: str, backends: list[dict], requested: 
                       f"is not installed on {node_name}")
             if flavour == "cpu" and gpu_type != CPU:
                 reason += "; runs on the CPU, without the GPU"
-        return BackendChoice(name, flavour, b.get("version") or "", b.get("path") or "", reason)
+        return BackendChoice(name, flavour, b.get("version") or "", b.get("path") or "", reason + _waits(b))
     wanted = " or ".join(f"{n} ({f})" for n, f in prefs[:2])
     kind = f"{server_type} " if server_type != "llm" else ""
     raise BackendUnavailable(

@@ -29,6 +29,7 @@ import httpx
 from django.conf import settings
 from django.utils import timezone
 
+from hardware.backends import export_llama_cpp_lib_path, waiting_build
 from hardware.models import Node
 from hardware.process_memory import gpu_leaks, gpu_memory_by_pid, group_pids, measure_group
 from hub.cache import resolve_model_path, sync_to_cache
@@ -85,6 +86,8 @@ HEALTH_POLL_FAST_S = 0.05  # for the first seconds: small models are up in well 
 FAST_POLL_FOR_S = 10
 WARMUP_TIMEOUT_S = 120
 PROGRESS_EVERY_S = 0.5
+# How often a start that waits for a llama.cpp build looks at it again.
+BUILD_POLL_S = 1.0
 
 LOADED, LOAD_FAILED, CRASHED, STOPPED = "loaded", "load_failed", "crashed", "stopped"
 STORE_DOWN = "store_down"
@@ -119,6 +122,12 @@ def _get(instance_id: int) -> ModelInstance | None:
 def _mark(instance_id: int, mark, *args, **kwargs) -> ModelInstance:
     """Apply one of ModelInstance's state changes (`ModelInstance.mark_ready`, ...) to the instance."""
     return mark(ModelInstance.objects.select_related("node").get(pk=instance_id), *args, **kwargs)
+
+
+def _waiting(instance_id: int, message: str, pct: float | None) -> None:
+    inst = _get(instance_id)
+    if inst is not None:
+        inst.set_waiting(message, pct)
 
 
 def _progress(instance_id: int, pct: float) -> None:
@@ -536,6 +545,7 @@ class Supervisor(AgentWorker):
             plan = run.plan = await _db(plan_for_instance)(inst)
             run.adapter, run.host = get_adapter(plan.backend), plan.host
             model_file = await self._resolve_model(run, plan)
+            await self._wait_for_build(run, plan)
             port = run.picked_port = await self._pick_port(inst)
             # A new secret per launch: the backend answers no one who does not send it.
             secret, key_file = secrets.token_urlsafe(32), backend_key_file(inst.pk)
@@ -646,6 +656,33 @@ class Supervisor(AgentWorker):
         finally:
             run.cancel_copy = None
         return Path(resolve_model_path(local, plan.format))
+
+    async def _wait_for_build(self, run: BackendRun, plan: LaunchPlan) -> None:
+        """A llama.cpp engine whose build still runs on this node (`deploy/bootstrap.sh run` serves
+        while it compiles): the start waits in PENDING, its message and progress the build's, and
+        goes on by itself once it is built; a failed build fails the load with the build's error.
+        An unload meanwhile cancels the wait (stop_instance)."""
+        state = await asyncio.to_thread(waiting_build, plan.backend, plan.executable)
+        if state is None:
+            return
+        shown = ""
+        while state is not None and state.state == "building":
+            message = f"waiting for the build: {state.label}; {plan.backend} starts when it is built"
+            if not shown:
+                inst = await db_get(run.instance_id)
+                if inst is not None and inst.state == InstanceState.CACHING:
+                    await db_mark(run.instance_id, ModelInstance.mark_pending, message)
+                elif inst is not None:
+                    await _db(inst.note)(message)
+            if message != shown:
+                await _db(_waiting)(run.instance_id, message, state.percent)
+                shown = message
+            await asyncio.sleep(BUILD_POLL_S)
+            state = await asyncio.to_thread(waiting_build, plan.backend, plan.executable)
+        if state is not None:
+            raise LoadFailed(f"{plan.backend} cannot start: {state.label}")
+        await asyncio.to_thread(export_llama_cpp_lib_path)  # llama-cpp-python's libllama is the build's
+        log.info("instance %s: the llama.cpp build it waited for is done", run.instance_id)
 
     async def _pick_port(self, inst: ModelInstance) -> int:
         # Ports of every node on this address count: several agents may share one host.

@@ -178,7 +178,8 @@ class InstanceOut(Schema):
     type: str
     state: str
     state_message: str
-    progress_pct: float | None
+    progress_pct: float | None = Field(None, description="CACHING: the copy from the store; PENDING: the llama.cpp "
+                                                         "build the start waits for (percent)")
     desired_state: str
     backend: str
     backend_reason: str

@@ -28,8 +28,9 @@ def test_nodes_with_gpus_and_holders(client, viewer, gpu_node):
     body = response.json()
     assert [n["name"] for n in body] == ["gpu-a", "gpu-b"]
     a, b = body
-    assert set(a) == {"name", "address", "status", "last_heartbeat", "draining_since", "backends", "gpus"}
+    assert set(a) == {"name", "address", "status", "last_heartbeat", "draining_since", "backends", "llama_build", "gpus"}
     assert (a["address"], a["status"], a["backends"]) == ("10.0.0.5", "online", ["vllm"])
+    assert a["llama_build"] is None  # no llama.cpp build runs there
     assert all(set(g) == GPU_KEYS for g in a["gpus"])
     assert [(g["index"], g["instance_id"]) for g in a["gpus"]] == [(0, None), (1, held.pk)]
     assert a["gpus"][0] | {"instance_id": None} == {

@@ -104,3 +104,30 @@ def test_a_node_without_inventory_yet_is_not_called_a_cpu_node(as_viewer):
     for url in ("/gpus/", "/nodes/booting/"):
         html = as_viewer.get(url).content.decode()
         assert "Hardware not reported yet" in html and "CPU node" not in html
+
+
+def test_a_llama_cpp_build_shows_on_the_dashboard_gpus_node_and_load_pages(client, viewer, operator):
+    """Issue 28 #1: while llama.cpp compiles, every page a newcomer opens says how far it is."""
+    from hardware.llama_build import BuildState
+
+    building = BuildState(version="0.3.36", state="building", percent=45, commit="abc1234").to_json()
+    Node.objects.create(name="fresh", address="127.0.0.1", last_heartbeat=timezone.now(), detector="cpu", backends=[
+        {"name": "llama-server", "available": False, "version": "0 (abc1234)", "flavour": "cpu", "path": "/x",
+         "reason": "llama-server: llama.cpp 0.3.36 building: 45 %", "build": building}])
+    client.force_login(viewer.user)
+    for url in ("/", "/gpus/", "/nodes/fresh/"):
+        html = client.get(url).content.decode()
+        assert "llama.cpp 0.3.36 building: 45 %" in html, url
+        assert '<progress max="100" value="45"' in html, url
+    client.force_login(operator.user)
+    html = client.get("/instances/new/").content.decode()
+    assert 'data-node="fresh"' in html and "llama.cpp 0.3.36 building: 45 %" in html
+    assert "a load asked for meanwhile waits for it" in html
+
+    failed = BuildState(version="0.3.36", state="failed", error="compiling llama-server failed").to_json()
+    Node.objects.filter(name="fresh").update(backends=[
+        {"name": "llama-server", "available": False, "version": "", "flavour": "cpu", "path": "/x",
+         "reason": "x", "build": failed}])
+    html = client.get("/nodes/fresh/").content.decode()
+    assert "llama.cpp 0.3.36 build failed: compiling llama-server failed" in html
+    assert 'data-build-state="failed"' in html and "<progress" not in html
