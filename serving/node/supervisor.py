@@ -662,7 +662,7 @@ class Supervisor(AgentWorker):
         while it compiles): the start waits in PENDING, its message and progress the build's, and
         goes on by itself once it is built; a failed build fails the load with the build's error.
         An unload meanwhile cancels the wait (stop_instance)."""
-        state = await asyncio.to_thread(waiting_build, plan.backend, plan.executable)
+        state = waiting_build(plan.backend, plan.executable)  # a few stat() calls: no thread hop on every start
         if state is None:
             return
         shown = ""
