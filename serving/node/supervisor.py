@@ -82,8 +82,23 @@ HEALTH_POLL_S = 0.25
 DRAIN_SETTLE_S = 1.0  # a stop waits this long before it asks a backend for its requests in flight
 DRAIN_POLL_S = 0.25
 DRAIN_ASK_TIMEOUT_S = 2.0
-HEALTH_POLL_FAST_S = 0.05  # for the first seconds: small models are up in well under one
-FAST_POLL_FOR_S = 10
+# Health polls while a backend starts. Once its port answers (llama-server's 503 "loading", a few
+# ms after the spawn): every 10 ms for its first 2 s, since at 50 ms a poll the wait after the 503
+# cost 54-60 ms of a 180-360 ms load (traced). Before that, every 50 ms: polling a port nothing
+# listens on every 10 ms took CPU from llama-cpp-python's own start (+50 ms of its 600 ms, 2 cores).
+# After 10 s, HEALTH_POLL_S.
+HEALTH_POLL_ANSWERING_S, ANSWERING_FAST_FOR_S = 0.01, 2.0
+HEALTH_POLL_STARTING_S, STARTING_FAST_FOR_S = 0.05, 10.0
+
+
+def health_poll_s(elapsed: float, *, answering: bool) -> float:
+    """Seconds before the next health poll of a backend started `elapsed` s ago; `answering`: its
+    port has given an HTTP answer (not yet 200)."""
+    if answering and elapsed < ANSWERING_FAST_FOR_S:
+        return HEALTH_POLL_ANSWERING_S
+    return HEALTH_POLL_STARTING_S if elapsed < STARTING_FAST_FOR_S else HEALTH_POLL_S
+
+
 WARMUP_TIMEOUT_S = 120
 PROGRESS_EVERY_S = 0.5
 # How often a start that waits for a llama.cpp build looks at it again.
@@ -155,6 +170,7 @@ class BackendRun:
     host: str = "127.0.0.1"
     process: BackendProcess | None = None
     adopted: bool = False
+    answered: bool = False  # its port gave an HTTP answer while it started (health polls come faster)
     stopping: bool = False
     tailer: LogTailer | None = None
     cancel_copy: threading.Event | None = None  # set to stop a copy into the cache
@@ -743,6 +759,7 @@ class Supervisor(AgentWorker):
 
     async def _wait_healthy(self, run: BackendRun, timeout: float) -> str:
         """'ok' once the backend's own health answers; else why not (exited / timed out)."""
+        run.answered = False  # this process's port, not a crashed one's before it
         started = time.monotonic()
         deadline = started + timeout
         while time.monotonic() < deadline:
@@ -753,8 +770,7 @@ class Supervisor(AgentWorker):
             # A ready line in the log only makes the next poll come sooner.
             hint = run.tailer.ready_hint
             with contextlib.suppress(TimeoutError):
-                fast = time.monotonic() - started < FAST_POLL_FOR_S
-                async with asyncio.timeout(HEALTH_POLL_FAST_S if fast else HEALTH_POLL_S):
+                async with asyncio.timeout(health_poll_s(time.monotonic() - started, answering=run.answered)):
                     await hint.wait()
             hint.clear()
         return f"{run.adapter.label} did not answer {run.adapter.health_path} within {timeout:g} s"
@@ -767,6 +783,7 @@ class Supervisor(AgentWorker):
                                     timeout=timeout, headers=run.headers)
         except httpx.HTTPError:
             return False
+        run.answered = True
         return r.status_code == 200 and await asyncio.to_thread(listener_is_ours, run.process.pgid, run.port)
 
     async def _warm_up(self, run: BackendRun) -> str | None:
