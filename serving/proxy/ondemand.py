@@ -251,7 +251,9 @@ async def _run_start(start: ColdStart, standby: list[Standby]) -> list[Backend]:
             raise ProxyError(503, f"The model '{start.model}' did not become ready within "
                                   f"{cold_start_timeout(standby):g} s (it is {state}: {message[:200]}).",
                              code="cold_start_failed")
-        await asyncio.sleep(POLL_S)
+        # Each state change is pushed to every routing table, which reads the database at once:
+        # woken by that read, a start sees READY tens of ms sooner than a 0.1 s poll would.
+        await routing_table.wait_loaded(POLL_S)
 
 
 def starting(model: str) -> ColdStart | None:

@@ -170,6 +170,7 @@ class RoutingTable:
         self._turn = itertools.count()
         self._listen = listen
         self._listener: asyncio.Task[None] | None = None
+        self._loaded: asyncio.Future[None] | None = None  # done by the next read that succeeds (wait_loaded)
         # The staleness clock stops while the database is away (see the module's docstring).
         self._read_ok_at = 0.0  # monotonic: the start of the last read that succeeded
         self._outage_from: float | None = None  # monotonic: since when reads fail (None: they do not)
@@ -319,7 +320,19 @@ class RoutingTable:
             log.info("routing table refreshed again: the database is back")
             self._unavailable = None
         self._loaded_at = time.monotonic()
+        loaded, self._loaded = self._loaded, None
+        if loaded is not None and not loaded.done():
+            loaded.set_result(None)
         return snap
+
+    async def wait_loaded(self, timeout: float) -> None:
+        """Until the next read of the database ends (a state change's push starts one at once), or
+        `timeout` s: a cold start learns that its instance is READY as soon as this process can."""
+        loop = asyncio.get_running_loop()
+        if self._loaded is None or self._loaded.get_loop() is not loop:
+            self._loaded = loop.create_future()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(self._loaded), timeout)
 
     def backends(self) -> list[Backend]:
         """Every backend of the current table, and those that left it with requests still in flight."""
