@@ -26,9 +26,26 @@ log = logging.getLogger("xgen.hardware")
 BACKEND_REPROBE_EVERY = 30
 
 
-def _has_build(backends: list[dict[str, Any]] | None) -> bool:
-    """A backend row that names a llama.cpp build running (or failed) on this node."""
-    return any(b.get("build") for b in backends or [])
+def _build_of(backends: list[dict[str, Any]] | None) -> dict[str, Any] | None:
+    """The llama.cpp build running (or failed) on this node, as a backend row names it."""
+    return next((b["build"] for b in backends or [] if isinstance(b.get("build"), dict)), None)
+
+
+def _say_build(node: str, before: dict[str, Any] | None, now: dict[str, Any] | None,
+               backends: list[dict[str, Any]]) -> None:
+    """Say in the console's own log (the terminal of `bootstrap.sh run`) when the build starts to be
+    seen, fails, or ends: the pages show it, but whoever watches the terminal learns it there."""
+    state_before, state_now = (before or {}).get("state"), (now or {}).get("state")
+    label = (now or {}).get("label")
+    if state_now == state_before:
+        return
+    if state_now == "building":
+        log.info("%s on %s; loads of llama-server and llama-cpp-python wait for it", label, node)
+    elif state_now == "failed":
+        log.warning("%s on %s; loads of llama-server and llama-cpp-python fail until it is built "
+                    "(run deploy/bootstrap.sh again)", label, node)
+    elif state_before == "building":
+        log.info("llama.cpp on %s: the build ended; backends %s", node, [b["name"] for b in backends if b["available"]])
 
 
 def collect_inventory(chain: list[Detector] | None = None) -> InventoryResult:
@@ -63,13 +80,14 @@ class InventoryWorker:
         self._detector: Detector | None = None
         self._cpu_times = read_cpu_times()
         self._refreshes = 0
-        self._building = False  # a llama.cpp build runs (or failed): re-probe at every refresh
+        self._build: dict[str, Any] | None = None  # a llama.cpp build runs (or failed): re-probe at every refresh
 
     async def start(self, agent: Any) -> None:
         """Run the detector chain and the backend probe; save and publish before the agent counts as started."""
         result = await asyncio.to_thread(collect_inventory, self.chain)
         self.report = result.report
-        self._building = _has_build(result.backends)
+        _say_build(agent.name, None, _build_of(result.backends), result.backends or [])
+        self._build = _build_of(result.backends)
         chain = self.chain if self.chain is not None else [cls() for cls in DETECTORS.values()]
         self._detector = next((d for d in chain if d.name == result.report.detector), None)
         await run_db(save_inventory, node_name=agent.name, result=result, run=getattr(agent, "run_id", ""))
@@ -89,13 +107,12 @@ class InventoryWorker:
         if self.report is None:
             return await self.start(agent)
         self._refreshes += 1
-        reprobe = self._building or self._refreshes % BACKEND_REPROBE_EVERY == 0
+        reprobe = self._build is not None or self._refreshes % BACKEND_REPROBE_EVERY == 0
         result = await asyncio.to_thread(refresh_inventory, self.report, self._detector, reprobe=reprobe)
         if result.backends is not None:
-            if self._building and not _has_build(result.backends):
-                log.info("llama.cpp on %s: the build ended; backends %s", agent.name,
-                         [b["name"] for b in result.backends if b["available"]])
-            self._building = _has_build(result.backends)
+            build = _build_of(result.backends)
+            _say_build(agent.name, self._build, build, result.backends)
+            self._build = build
         times = read_cpu_times()
         result.report.cpu.percent = cpu_percent(self._cpu_times, times)
         self._cpu_times = times

@@ -80,6 +80,7 @@ def test_a_load_asked_for_while_llama_cpp_builds_starts_once_it_is_built(tmp_pat
         nodes = wait_api(f"{kc.url}/api/hardware/nodes", key,
                          lambda b: {"llama-server", "llama-cpp-python"} <= set(b[0]["backends"]), timeout=30)
         assert nodes[0]["llama_build"] is None
+        assert "the build ended; backends" in console.log, console.log[-3000:]
         httpx.post(f"{kc.url}/api/management/unload", headers=kc.auth, json={"id": pk}, timeout=10)
         wait_api(f"{kc.url}/api/management/instances/{pk}", key, lambda b: b["state"] == "STOPPED", timeout=60)
     finally:
@@ -110,6 +111,9 @@ def test_a_load_waiting_for_a_build_that_fails_ends_in_error_with_the_builds_err
         nodes = wait_api(f"{url}/api/hardware/nodes", key,
                          lambda b: (b[0].get("llama_build") or {}).get("state") == "failed")
         assert nodes[0]["llama_build"]["error"] == "compiling llama-server failed"
+        # and the console's own log (the terminal of `bootstrap.sh run`) says it
+        assert f"llama.cpp {installed} building" in console.log, console.log[-3000:]
+        assert f"llama.cpp {installed} build failed: compiling llama-server failed on test-node" in console.log
         # a new load is refused at once: nothing builds any more
         r = httpx.post(f"{url}/api/management/load", headers={"Authorization": f"Bearer {key}"}, timeout=30,
                        json={"model_path": str(tiny_gguf), "model_name": "never2"})
