@@ -17,6 +17,7 @@ from hardware.detectors import DETECTORS, DetectionReport, Detector, detect
 from hardware.detectors.base import DetectorAttempt, DetectorUnavailable
 from hardware.detectors.cpu import cpu_percent, read_cpu_info, read_cpu_times
 from hardware.events import publish_dashboard_node, publish_gpus, publish_node
+from hardware.llama_build import build_in_rows
 from hardware.services import InventoryResult, save_inventory
 from live.db import run_db
 
@@ -24,11 +25,6 @@ log = logging.getLogger("xgen.hardware")
 
 # Backends change only when someone installs one; re-probe every this many refreshes (~5 min).
 BACKEND_REPROBE_EVERY = 30
-
-
-def _build_of(backends: list[dict[str, Any]] | None) -> dict[str, Any] | None:
-    """The llama.cpp build running (or failed) on this node, as a backend row names it."""
-    return next((b["build"] for b in backends or [] if isinstance(b.get("build"), dict)), None)
 
 
 def _say_build(node: str, before: dict[str, Any] | None, now: dict[str, Any] | None,
@@ -86,8 +82,8 @@ class InventoryWorker:
         """Run the detector chain and the backend probe; save and publish before the agent counts as started."""
         result = await asyncio.to_thread(collect_inventory, self.chain)
         self.report = result.report
-        _say_build(agent.name, None, _build_of(result.backends), result.backends or [])
-        self._build = _build_of(result.backends)
+        self._build = build_in_rows(result.backends)
+        _say_build(agent.name, None, self._build, result.backends or [])
         chain = self.chain if self.chain is not None else [cls() for cls in DETECTORS.values()]
         self._detector = next((d for d in chain if d.name == result.report.detector), None)
         await run_db(save_inventory, node_name=agent.name, result=result, run=getattr(agent, "run_id", ""))
@@ -110,7 +106,7 @@ class InventoryWorker:
         reprobe = self._build is not None or self._refreshes % BACKEND_REPROBE_EVERY == 0
         result = await asyncio.to_thread(refresh_inventory, self.report, self._detector, reprobe=reprobe)
         if result.backends is not None:
-            build = _build_of(result.backends)
+            build = build_in_rows(result.backends)
             _say_build(agent.name, self._build, build, result.backends)
             self._build = build
         times = read_cpu_times()

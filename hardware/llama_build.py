@@ -66,6 +66,11 @@ class BuildState:
                 "error": self.error, "label": self.label}
 
 
+def build_in_rows(backends: list[dict[str, Any]] | None) -> dict[str, Any] | None:
+    """The build (BuildState.to_json) that a node's backend rows name, else None."""
+    return next((b["build"] for b in backends or [] if isinstance(b.get("build"), dict)), None)
+
+
 def build_percent(log: Path) -> int | None:
     """CMake's own progress from the end of a build log; None before the first step."""
     try:

@@ -8,6 +8,8 @@ from django.conf import settings
 from django.db import models
 from django.utils import timezone
 
+from hardware.llama_build import build_in_rows
+
 
 class GpuType(models.TextChoices):
     NVIDIA = "NVIDIA"
@@ -86,7 +88,7 @@ class Node(models.Model):
     def llama_build(self) -> dict[str, Any] | None:
         """The llama.cpp build running (or failed) on this node, as its probe recorded it
         (hardware.llama_build.BuildState.to_json), else None."""
-        return next((b["build"] for b in self.backends or [] if isinstance(b.get("build"), dict)), None)
+        return build_in_rows(self.backends)
 
     @property
     def backend_names(self) -> list[str]:

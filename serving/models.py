@@ -294,27 +294,24 @@ class ModelInstance(models.Model):
     def set_progress(self, pct: float) -> bool:
         """The copy's progress, written only while the instance is still CACHING (never a state it
         has left); no timeline row. True when the row was updated."""
-        now = timezone.now()
-        message = f"copying from the store: {pct:.0f}%"
-        updated = type(self).objects.filter(pk=self.pk, state=InstanceState.CACHING).update(
-            progress_pct=round(pct, 1), state_message=message, updated_at=now)
-        if not updated:
-            return False
-        self.state, self.progress_pct, self.state_message, self.updated_at = \
-            InstanceState.CACHING, round(pct, 1), message, now
-        _announce(self, None, progress_only=True)
-        return True
+        return self._note_while(InstanceState.CACHING, f"copying from the store: {pct:.0f}%", pct)
 
     def set_waiting(self, message: str, pct: float | None) -> bool:
         """What a PENDING start waits for (a llama.cpp build: its percent), written only while the
         instance is still PENDING; no timeline row. True when the row was updated."""
+        return self._note_while(InstanceState.PENDING, message, pct)
+
+    def _note_while(self, state: str, message: str, pct: float | None) -> bool:
+        """Message and progress written only while the row is still in `state`, announced as a
+        progress tick (no timeline row); True when the row was updated."""
         now = timezone.now()
         pct = None if pct is None else round(pct, 1)
-        updated = type(self).objects.filter(pk=self.pk, state=InstanceState.PENDING).update(
-            progress_pct=pct, state_message=message[:500], updated_at=now)
+        message = message[:500]
+        updated = type(self).objects.filter(pk=self.pk, state=state).update(
+            progress_pct=pct, state_message=message, updated_at=now)
         if not updated:
             return False
-        self.state, self.progress_pct, self.state_message, self.updated_at = InstanceState.PENDING, pct, message[:500], now
+        self.state, self.progress_pct, self.state_message, self.updated_at = state, pct, message, now
         _announce(self, None, progress_only=True)
         return True
 
