@@ -63,7 +63,7 @@ def _clean_filter(prefix: str) -> str:
         return ""
     validate_relative_path(prefix.rstrip("/") or "/", what="prefix filter")
     if prefix.split("/", 1)[0] not in FORMAT_ROOTS and not any(r.startswith(prefix) for r in FORMAT_ROOTS):
-        raise InvalidPrefix(f"The prefix filter must start with gguf/ or huggingface/, not {prefix!r}.")
+        raise InvalidPrefix(f"The prefix filter must start with gguf/, huggingface/ or lora/, not {prefix!r}.")
     return prefix
 
 

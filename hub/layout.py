@@ -10,7 +10,10 @@ MODELS_DIR/<prefix>, or anywhere on a node's disk) or a single `.gguf` file. The
   for a nested snapshot, the shallowest one;
 - how big the weights are (`weights_bytes`): the GGUF file with its sibling shards, or a Hugging
   Face folder's `*.safetensors` (its `*.bin`/`*.pt` weights when it has none);
-- whether a local source fits a format before an upload (`layout_problem`).
+- whether a local source fits a format before an upload (`layout_problem`);
+- what a LoRA adapter is (`lora/<name>/` in the store, issue 27): a GGUF adapter file (for a GGUF
+  base on llama.cpp) or a PEFT folder, `adapter_config.json` at its top (for a Hugging Face base on
+  vLLM); `lora_base_format` says which base it goes with, `lora_to_serve` what the engine loads.
 It imports nothing of the project, so every layer (the store, the node cache, serving) can use it.
 The pure functions take relative POSIX paths (a manifest's or a walk's); the Path ones look at a
 local disk.
@@ -24,7 +27,10 @@ from pathlib import Path, PurePosixPath
 
 GGUF = "gguf"
 HUGGINGFACE = "huggingface"
-FORMATS = (GGUF, HUGGINGFACE)
+LORA = "lora"
+FORMATS = (GGUF, HUGGINGFACE, LORA)  # the store's top-level folders
+MODEL_FORMATS = (GGUF, HUGGINGFACE)  # what loads as a model (a LoRA adapter loads with its base)
+PEFT_CONFIG = "adapter_config.json"
 
 MANIFEST_NAME = ".xgen-manifest.json"  # in the store: written last, deleted first
 CACHE_MANIFEST_NAME = ".xgen-cache.json"  # on a node: the record of the last verified sync
@@ -188,18 +194,57 @@ def format_of_local(path: Path) -> str | None:
 
 
 def model_to_serve(path: Path, fmt: str) -> Path | None:
-    """What a backend of `fmt` loads from `path`: the `.gguf` file, or the Hugging Face folder."""
+    """What a backend of `fmt` loads from `path`: the `.gguf` file, the Hugging Face folder, or
+    for a LoRA adapter its `.gguf` file or PEFT folder."""
     if fmt == GGUF:
         return gguf_to_serve(path)
     if fmt == HUGGINGFACE:
         return hf_root(path)
+    if fmt == LORA:
+        return lora_to_serve(path)
     raise ValueError(f"unknown format {fmt!r}")
+
+
+# ---------------------------------------------------------------- LoRA adapters
+def peft_root_rel(rels: Iterable[str]) -> str | None:
+    """Of relative paths, the folder ("" for the top) holding the shallowest adapter_config.json."""
+    configs = [PurePosixPath(r) for r in rels if PurePosixPath(r).name == PEFT_CONFIG]
+    if not configs:
+        return None
+    parent = min(configs, key=lambda p: (len(p.parts), p.as_posix())).parent.as_posix()
+    return "" if parent == "." else parent
+
+
+def lora_base_format(rels: Iterable[str]) -> str | None:
+    """The format of the base model an adapter holding `rels` goes with: `gguf` for a GGUF adapter
+    (llama.cpp), `huggingface` for a PEFT folder (vLLM), None when it is neither."""
+    rels = list(rels)
+    if any(is_gguf(r) for r in rels):
+        return GGUF
+    return HUGGINGFACE if peft_root_rel(rels) is not None else None
+
+
+def lora_to_serve(path: Path) -> Path | None:
+    """What an engine loads from an adapter on this disk: the `.gguf` file, or the PEFT folder."""
+    path = Path(path)
+    found = gguf_to_serve(path)
+    if found is not None or not path.is_dir():
+        return found
+    rel = peft_root_rel(r for r, _ in model_files(path))
+    return None if rel is None else path / rel
 
 
 # ---------------------------------------------------------------- sizes
 def weights_rel(files: Iterable[tuple[str, int]], fmt: str) -> list[str]:
     """Of (relative path, size) pairs, the files that hold the weights a backend loads."""
     files = list(files)
+    if fmt == LORA:
+        chosen = pick_gguf(files)
+        if chosen:
+            return [chosen]
+        root = peft_root_rel(r for r, _ in files)
+        inside = [r for r, _ in files if PurePosixPath(r).parent.as_posix() == (root or ".")] if root is not None else []
+        return sorted(r for r in inside if r.endswith(WEIGHT_SUFFIXES + FALLBACK_WEIGHT_SUFFIXES))
     if fmt == GGUF:
         chosen = pick_gguf(files)
         return shard_set(chosen, [r for r, _ in files]) if chosen else []
@@ -250,12 +295,21 @@ def layout_problem(fmt: str, rels: list[str], *, is_dir: bool, name: str) -> str
         if not is_dir or hf_root_rel(rels) is None:
             return f"{name} is not a Hugging Face model folder (no config.json)."
         return None
-    return f"Unknown format {fmt!r}: use gguf or huggingface."
+    if fmt == LORA:
+        if not is_dir and not is_gguf(name):
+            return f"{name} is not a LoRA adapter: give a GGUF adapter file or a PEFT folder ({PEFT_CONFIG})."
+        if is_dir and lora_base_format(rels) is None:
+            return f"{name} holds no GGUF adapter and no {PEFT_CONFIG}: it is not a LoRA adapter."
+        if is_dir and sum(is_gguf(r) for r in rels) > 1:
+            return f"{name} holds more than one .gguf file: a LoRA adapter is one GGUF file."
+        return None
+    return f"Unknown format {fmt!r}: use gguf, huggingface or lora."
 
 
 __all__ = [
-    "CACHE_MANIFEST_NAME", "FORMATS", "FolderTooLarge", "GGUF", "HF_CONFIG", "HUGGINGFACE", "MANIFEST_NAME", "SKIPPED_DIRS",
-    "TEMP_SUFFIXES", "format_of_local", "gguf_to_serve", "hf_root", "hf_root_rel", "is_hf_folder", "is_model_file",
-    "layout_problem", "model_files", "model_to_serve", "pick_gguf", "shard_set", "weights_bytes", "weights_rel",
+    "CACHE_MANIFEST_NAME", "FORMATS", "FolderTooLarge", "GGUF", "HF_CONFIG", "HUGGINGFACE", "LORA", "MANIFEST_NAME",
+    "MODEL_FORMATS", "PEFT_CONFIG", "SKIPPED_DIRS", "TEMP_SUFFIXES", "format_of_local", "gguf_to_serve", "hf_root",
+    "hf_root_rel", "is_hf_folder", "is_model_file", "layout_problem", "lora_base_format", "lora_to_serve",
+    "model_files", "model_to_serve", "peft_root_rel", "pick_gguf", "shard_set", "weights_bytes", "weights_rel",
     "weights_size",
 ]

@@ -10,6 +10,7 @@ from django.utils import timezone
 class ModelFormat(models.TextChoices):
     GGUF = "gguf"
     HUGGINGFACE = "huggingface"
+    LORA = "lora", "LoRA adapter"  # loads with its base model (`adapters` of a load), never alone
 
 
 class ModelArtifact(models.Model):

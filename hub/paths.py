@@ -8,7 +8,8 @@ from pathlib import Path, PurePosixPath
 from hub.layout import FORMATS
 from hub.layout import MANIFEST_NAME as MANIFEST_NAME
 
-FORMAT_ROOTS = FORMATS  # the store's top-level folders, one per format
+FORMAT_ROOTS = FORMATS  # the store's top-level folders: one per model format, and lora/ for adapters
+ROOTS_TEXT = "gguf/, huggingface/ or lora/"
 
 MAX_PREFIX_LEN = 512
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
@@ -41,7 +42,8 @@ def validate_relative_path(path: str, *, what: str = "path") -> str:
 
 
 def validate_prefix(prefix: str) -> str:
-    """Normalise a store prefix (`gguf/<name>...` or `huggingface/<name>...`) or raise InvalidPrefix.
+    """Normalise a store prefix (`gguf/<name>...`, `huggingface/<name>...`, `lora/<name>...`) or
+    raise InvalidPrefix.
 
     A single trailing slash is dropped; anything that could escape the store or the cache
     (`..`, absolute paths, backslashes, empty segments, control characters) is refused.
@@ -53,14 +55,14 @@ def validate_prefix(prefix: str) -> str:
     validate_relative_path(prefix, what="model path")
     root, _, rest = prefix.partition("/")
     if root not in FORMAT_ROOTS:
-        raise InvalidPrefix(f"The model path must start with gguf/ or huggingface/, not {prefix!r}.")
+        raise InvalidPrefix(f"The model path must start with {ROOTS_TEXT}, not {prefix!r}.")
     if not rest:
         raise InvalidPrefix(f"The model path {prefix!r} names no model.")
     return prefix
 
 
 def format_of(prefix: str) -> str:
-    """`gguf` or `huggingface` for a validated prefix."""
+    """`gguf`, `huggingface` or `lora` for a validated prefix."""
     return validate_prefix(prefix).split("/", 1)[0]
 
 
@@ -85,7 +87,7 @@ def name_from_repo_id(repo_id: str) -> str:
 def prefix_for(fmt: str, name: str) -> str:
     """The store prefix of a new model."""
     if fmt not in FORMAT_ROOTS:
-        raise InvalidPrefix(f"Unknown format {fmt!r}: use gguf or huggingface.")
+        raise InvalidPrefix(f"Unknown format {fmt!r}: use gguf, huggingface or lora.")
     return validate_prefix(f"{fmt}/{validate_name(name)}")
 
 

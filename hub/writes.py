@@ -69,7 +69,7 @@ def validate_upload(*, local_path: str, format: str, name: str,
                     limit_to_import_dirs: bool = True) -> tuple[str, ImportSource]:
     """Check an upload request before any transfer; returns (prefix, the checked local source)."""
     if format not in FORMAT_ROOTS:
-        raise HubInputError(f"Unknown format {format!r}: use gguf or huggingface.")
+        raise HubInputError(f"Unknown format {format!r}: use gguf, huggingface or lora.")
     prefix = prefix_for(format, name)  # InvalidPrefix for a traversal attempt in name
     source = check_import_path(local_path, limit_to_import_dirs=limit_to_import_dirs,
                                max_entries=UPLOAD_SCAN_MAX_ENTRIES if limit_to_import_dirs else None)

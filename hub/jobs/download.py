@@ -39,7 +39,7 @@ def validate_download(*, repo_id: str, revision: str | None, format: str,
     if revision and (not REVISION_RE.match(revision) or ".." in revision or "//" in revision):
         raise InvalidPrefix(f"Invalid revision {revision!r}.")
     if format not in FORMAT_ROOTS:
-        raise HubInputError(f"Unknown format {format!r}: use gguf or huggingface.")
+        raise HubInputError(f"Unknown format {format!r}: use gguf, huggingface or lora.")
     patterns = [p.strip() for p in (allow_patterns or []) if p and p.strip()]
     if len(patterns) > MAX_PATTERNS:
         raise HubInputError(f"At most {MAX_PATTERNS} allow patterns.")

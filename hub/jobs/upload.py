@@ -41,7 +41,7 @@ def create_upload_job(*, local_path: str, format: str, name: str, node: str | No
 
     node_name = (node or "").strip() or settings.NODE_NAME
     if format not in FORMAT_ROOTS:
-        raise HubInputError(f"Unknown format {format!r}: use gguf or huggingface.")
+        raise HubInputError(f"Unknown format {format!r}: use gguf, huggingface or lora.")
     prefix = prefix_for(format, name)
     bytes_total = 0
     if node_name == settings.NODE_NAME:

@@ -20,12 +20,16 @@ def active_holders(node: Node | None = None) -> list[tuple[int, list[int], Holde
 
 
 def cache_users(node_name: str) -> dict[str, list]:
-    """{store prefix: [CacheUser]} for the active instances of a node (hub.node_cache's users source)."""
+    """{store prefix: [CacheUser]} for the active instances of a node (hub.node_cache's users source):
+    the model each loads, and its LoRA adapters from the store (vLLM reads one again when it is
+    added at runtime; a restart reads them all)."""
     out: dict[str, list] = {}
-    qs = ModelInstance.objects.filter(state__in=ACTIVE_STATES, node__name=node_name).only("id", "model_path",
-                                                                                        "model_name", "state")
+    qs = ModelInstance.objects.filter(state__in=ACTIVE_STATES, node__name=node_name).only(
+        "id", "model_path", "model_name", "state", "adapters")
     for inst in qs:
-        if not inst.model_path.startswith("/"):
-            out.setdefault(inst.model_path.strip("/"), []).append(
-                CacheUser(id=inst.pk, model_name=inst.model_name, state=inst.state))
+        user = CacheUser(id=inst.pk, model_name=inst.model_name, state=inst.state)
+        paths = [inst.model_path, *(str(a.get("path", "")) for a in inst.adapters or [] if isinstance(a, dict))]
+        for path in paths:
+            if path and not path.startswith("/"):
+                out.setdefault(path.strip("/"), []).append(user)
     return out

@@ -2,9 +2,10 @@
 adapter's metadata read against its base.
 
 An adapter is `{name, path, scale}`: `name` is served as `<model_name>:<name>`; `path` an
-absolute path under the allowed model dirs (the rules of a load's model_path: no '..', a bounded
-walk, XGEN_IMPORT_DIRS); `scale` the strength a request for the adapter gets unless it gives its
-own `lora_scale`. A GGUF adapter must say `general.type = adapter`, `adapter.type = lora`, and
+adapter in the store (`lora/<name>`: the node copies it into its cache with the base model, so an
+air-gapped node needs only the store) or an absolute path under the allowed model dirs (the rules
+of a load's model_path: no '..', a bounded walk, XGEN_IMPORT_DIRS); `scale` the strength a request
+for the adapter gets unless it gives its own `lora_scale`. A GGUF adapter must say `general.type = adapter`, `adapter.type = lora`, and
 the base model's `general.architecture` (llama.cpp refuses any other at start, with a log line
 only; here it is a 400 at load)."""
 from __future__ import annotations
@@ -13,7 +14,9 @@ import math
 import re
 from pathlib import Path, PurePosixPath
 
+from hub import layout
 from hub.imports import HubInputError, LoadSource, check_load_path
+from hub.paths import InvalidPrefix, validate_prefix
 
 
 class LoadRefused(ValueError):
@@ -137,8 +140,8 @@ def check_adapters(raw, *, fmt: str, base_local: Path | None, on_this_node: bool
                               code="invalid_path")
         path = path.strip()
         if not path.startswith("/"):
-            raise LoadRefused(400, f"adapter {name!r}: path must be an absolute path under the allowed model "
-                                   "dirs (store prefixes for adapters are not served yet)", code="invalid_path")
+            out.append({"name": name, "path": stored_adapter(name, path, fmt=fmt), "scale": float(scale)})
+            continue
         if ".." in PurePosixPath(path).parts:
             raise LoadRefused(400, f"adapter {name!r}: path contains '..'; give the real absolute path",
                               code="invalid_path")
@@ -154,3 +157,52 @@ def check_adapters(raw, *, fmt: str, base_local: Path | None, on_this_node: bool
             check_peft_folder(path, name)
         out.append({"name": name, "path": path, "scale": float(scale)})
     return out
+
+
+def stored_adapter(name: str, path: str, *, fmt: str) -> str:
+    """The store prefix of an adapter given as `lora/<name>`, checked against the index (or the
+    store's manifest when it is not indexed yet): complete, and made for a base of `fmt` (a GGUF
+    adapter for a GGUF model, a PEFT folder for a Hugging Face one). Its architecture is checked
+    against the base on the node, once both are in its cache (serving.node.supervisor)."""
+    try:
+        prefix = validate_prefix(path)
+    except InvalidPrefix as exc:
+        raise LoadRefused(400, f"adapter {name!r}: {exc} (an adapter is lora/<name> in the store, or an absolute "
+                               "path)", code="invalid_path") from None
+    if prefix.split("/", 1)[0] != layout.LORA or prefix.count("/") != 1:
+        raise LoadRefused(400, f"adapter {name!r}: {prefix!r} is not an adapter in the store (lora/<name>)",
+                          code="invalid_path")
+    from hub.models import ModelArtifact
+
+    artifact = ModelArtifact.objects.filter(prefix=prefix).first()
+    if artifact is not None:
+        if not artifact.complete:
+            raise LoadRefused(409, f"adapter {name!r}: {prefix} is still being written to the store; try again when "
+                                   "it is complete", code="model_incomplete")
+        rels = [str(f.get("path", "")) for f in artifact.files or [] if isinstance(f, dict)]
+    else:
+        try:
+            from hub.store import get_store
+
+            manifest = get_store().read_manifest(prefix)
+        except Exception as exc:  # an unreachable store is a clear refusal, not a 500
+            raise LoadRefused(503, f"the model store cannot be read: {exc.__class__.__name__}: {exc}",
+                              code="store_unavailable") from None
+        if manifest is None:
+            raise LoadRefused(400, f"adapter {name!r}: no adapter {prefix!r} in the store (see /api/storage/models)",
+                              code="adapter_not_found")
+        rels = [f.path for f in manifest.files]
+    kind = layout.lora_base_format(rels)
+    if kind is None:
+        raise LoadRefused(400, f"adapter {name!r}: {prefix} holds no GGUF adapter and no {layout.PEFT_CONFIG}",
+                          code="invalid_adapter")
+    if kind != fmt:
+        what = "a GGUF adapter (for a GGUF model on llama.cpp)" if kind == layout.GGUF else \
+            "a PEFT adapter (for a Hugging Face model on vLLM)"
+        raise LoadRefused(400, f"adapter {name!r}: {prefix} is {what}; this model is {fmt}", code="invalid_adapter")
+    return prefix
+
+
+def is_stored(adapter: dict) -> bool:
+    """An adapter the node copies from the store (a `lora/<name>` prefix, not an absolute path)."""
+    return not str(adapter.get("path", "")).startswith("/")

@@ -29,7 +29,7 @@ from hub.models import ModelArtifact
 from hub.paths import InvalidPrefix, validate_prefix
 from serving.adapters import InvalidExtraArgs, LaunchSpec, get_adapter
 from serving.control import presets
-from serving.control.lora import check_adapters
+from serving.control.lora import check_adapters, is_stored
 from serving.control.placement import (
     MemoryEstimate,
     NodeOption,
@@ -59,6 +59,13 @@ MODEL_SLOT = "{model}"
 PYTHON_SLOT = "{python}"
 KEY_FILE_SLOT = "{api_key_file}"
 SLOTS = (PORT_SLOT, MODEL_SLOT, PYTHON_SLOT, KEY_FILE_SLOT)
+
+
+def adapter_slot(name: str) -> str:
+    """Where an adapter from the store goes in the argv (inside an item: llama-server's
+    `--lora-scaled PATH:SCALE,...`, vLLM's `<model>:<name>=PATH`): the agent fills in the file it
+    copied into its cache."""
+    return "{adapter:" + name + "}"
 CTX_FLAGS = ("--ctx-size", "--n_ctx", "--max-model-len")
 
 
@@ -113,6 +120,9 @@ def resolve_source(model_path: str, *, on_this_node: bool) -> ModelSource:
     if raw.startswith("~") or "\\" in raw:
         raise LoadRefused(400, "model_path must be a store prefix (gguf/..., huggingface/...) or an absolute path")
     prefix = _validate_prefix(raw)
+    if prefix.split("/", 1)[0] == layout.LORA:
+        raise LoadRefused(400, f"{prefix} is a LoRA adapter: load its base model with it (adapters: "
+                               f'[{{"name": ..., "path": "{prefix}"}}])', code="invalid_path")
     artifact = ModelArtifact.objects.filter(prefix=prefix).first()
     if artifact is not None:
         if not artifact.complete:
@@ -197,12 +207,17 @@ class LaunchPlan:
         return None
 
     def command(self, *, port: int | None = None, model: str | Path | None = None,
-                python: str | None = None, key_file: str | Path | None = None) -> list[str]:
-        """The argv, with the port, the model path, the interpreter and the secret's file filled in
-        where they are known."""
+                python: str | None = None, key_file: str | Path | None = None,
+                adapters: dict[str, str] | None = None) -> list[str]:
+        """The argv, with the port, the model path, the interpreter, the secret's file and the
+        local files of adapters from the store (name -> path) filled in where they are known."""
         fill = {PORT_SLOT: None if port is None else str(port), MODEL_SLOT: None if model is None else str(model),
                 PYTHON_SLOT: python, KEY_FILE_SLOT: None if key_file is None else str(key_file)}
-        return [fill.get(item) or item for item in self.argv]
+        argv = [fill.get(item) or item for item in self.argv]
+        for name, path in (adapters or {}).items():
+            slot = adapter_slot(name)
+            argv = [item.replace(slot, path) for item in argv]
+        return argv
 
     def command_line(self, *, port: int | None = None, model: str | Path | None = None,
                      python: str | None = None) -> str:
@@ -347,7 +362,8 @@ def make_launch_plan(*, node: Node, source: ModelSource, model_name: str, server
         port=PORT_SLOT, gpus=tuple(chosen), gpu_type=gpu_type, flavour=choice.flavour, version=choice.version,
         executable=choice.path, python=PYTHON_SLOT, tensor_parallel_size=tp, extra_args=run_args,
         extra_args_checked=True, api_key_file=KEY_FILE_SLOT,
-        adapters=tuple((a["name"], a["path"], float(a.get("scale", 1.0))) for a in adapters or ()),
+        adapters=tuple((a["name"], adapter_slot(a["name"]) if is_stored(a) else a["path"], float(a.get("scale", 1.0)))
+                       for a in adapters or ()),
     )
     plan = LaunchPlan(
         model_name=model_name, server_type=server_type, model_path=source.model_path, format=source.fmt,

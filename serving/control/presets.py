@@ -228,9 +228,12 @@ def normalize_model_path(raw: object) -> str:
             raise PresetInvalid("model_path may not contain '..'")
         return text
     try:
-        return validate_prefix(text)
+        prefix = validate_prefix(text)
     except InvalidPrefix as exc:
         raise PresetInvalid(str(exc)) from None
+    if prefix.startswith("lora/"):
+        raise PresetInvalid(f"{prefix} is a LoRA adapter: presets belong to the base model it loads with")
+    return prefix
 
 
 def format_of(model_path: str) -> str:

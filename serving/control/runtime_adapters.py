@@ -19,7 +19,7 @@ from django.db import transaction
 
 from serving.adapters import get_adapter
 from serving.control.lora import LoadRefused as AdapterRefused
-from serving.control.lora import check_adapters
+from serving.control.lora import check_adapters, is_stored
 from serving.control.planning import LoadRefused, replan_instance
 from serving.control.replicas import live_replicas
 from serving.control.rollout import request_rollout
@@ -102,7 +102,9 @@ def add_adapter(*, model_name: str, adapter: dict) -> dict:
     if clash is not None:
         raise clash
     if first.backend != "vllm":
-        return _restart_with(live, checked, f"added {served}")
+        return _restart_with(live, checked, f"added {served}", served=served)
+    if is_stored(added):  # each replica's node copies it from the store first: that is a start's work
+        return _restart_with(live, checked, f"added {served} from the store", served=served, why=COPIED_AT_START)
     _runtime_ready(live)
     done: list[ModelInstance] = []
     for inst in live:
@@ -126,7 +128,7 @@ def remove_adapter(*, model_name: str, name: str) -> dict:
     if len(kept) == len(current):
         raise LoadRefused(404, f"{model_name} has no adapter {name[:64]!r}", code="adapter_not_found")
     if live[0].backend != "vllm":
-        return _restart_with(live, kept, f"removed {served}")
+        return _restart_with(live, kept, f"removed {served}", served=served)
     _runtime_ready(live)
     for inst in live:
         status, text = _post(inst, "/v1/unload_lora_adapter", {"lora_name": served})
@@ -137,14 +139,18 @@ def remove_adapter(*, model_name: str, name: str) -> dict:
     return {"model_name": model_name, "adapter": served, "applied": "runtime", "replicas": [i.pk for i in live]}
 
 
-def _restart_with(live: list[ModelInstance], adapters: list[dict], what: str) -> dict:
-    """llama-server: a rolling restart that starts each replica with the new set (its plan checked
-    first: one that cannot be made changes nothing); each replica's row takes the set when it
-    restarts, so the proxy's per-request `lora` ids always match what that engine loaded."""
+LOADS_AT_START = "llama-server loads adapters at start"
+COPIED_AT_START = "each node copies an adapter from the store when its replica starts"
+
+
+def _restart_with(live: list[ModelInstance], adapters: list[dict], what: str, *, served: str,
+                  why: str = LOADS_AT_START) -> dict:
+    """A rolling restart that starts each replica with the new set (its plan checked first: one
+    that cannot be made changes nothing); each replica's row takes the set when it restarts, so
+    the proxy's per-request `lora` ids always match what that engine loaded."""
     order = request_rollout(model_name=live[0].model_name, adapters=adapters)
     for inst in order:
-        inst.note(f"adapters changed ({what}): llama-server loads adapters at start, so the replicas restart "
-                  "one at a time with the new set")
-    return {"model_name": live[0].model_name, "adapter": what.split(" ", 1)[1], "applied": "rolling_restart",
+        inst.note(f"adapters changed ({what}): {why}, so the replicas restart one at a time with the new set")
+    return {"model_name": live[0].model_name, "adapter": served, "applied": "rolling_restart",
             "replicas": [i.pk for i in order]}
 

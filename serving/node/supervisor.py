@@ -32,6 +32,7 @@ from django.utils import timezone
 from hardware.backends import export_llama_cpp_lib_path, waiting_build
 from hardware.models import Node
 from hardware.process_memory import gpu_leaks, gpu_memory_by_pid, group_pids, measure_group
+from hub import layout
 from hub.cache import resolve_model_path, sync_to_cache
 from hub.store import StoreUnreachable
 from live.db import db_async
@@ -40,6 +41,8 @@ from serving.adapters import BackendAdapter, get_adapter
 from serving.adapters.base import backend_environment
 from serving.control import events
 from serving.control.capacity import has_requests_in_flight
+from serving.control.lora import LoadRefused as AdapterRefused
+from serving.control.lora import check_gguf_adapter, check_peft_folder, is_stored
 from serving.control.placement import PlacementError, bind_host, pick_port
 from serving.control.planning import (
     KEY_FILE_SLOT,
@@ -561,11 +564,13 @@ class Supervisor(AgentWorker):
             plan = run.plan = await _db(plan_for_instance)(inst)
             run.adapter, run.host = get_adapter(plan.backend), plan.host
             model_file = await self._resolve_model(run, plan)
+            adapter_files = await self._resolve_adapters(run, plan, model_file) if plan.adapters else {}
             await self._wait_for_build(run, plan)
             port = run.picked_port = await self._pick_port(inst)
             # A new secret per launch: the backend answers no one who does not send it.
             secret, key_file = secrets.token_urlsafe(32), backend_key_file(inst.pk)
-            argv = plan.command(port=port, model=model_file, python=sys.executable, key_file=key_file)
+            argv = plan.command(port=port, model=model_file, python=sys.executable, key_file=key_file,
+                                adapters=adapter_files)
             if KEY_FILE_SLOT not in plan.argv:  # a plan stored before backends had secrets
                 argv += run.adapter.key_argv(str(key_file))
             env = backend_environment({**plan.env, **run.adapter.key_env(secret)}, os.environ)
@@ -656,11 +661,18 @@ class Supervisor(AgentWorker):
                 asyncio.run_coroutine_threadsafe(db_progress(run.instance_id, 100.0 * done / total if total else 100.0),
                                                  loop)
 
+        local = await self._copy_from_store(run, plan.model_path, progress)
+        return Path(resolve_model_path(local, plan.format))
+
+    async def _copy_from_store(self, run: BackendRun, prefix: str, progress=None) -> Path:
+        """`prefix` synced into this node's cache: a copy that stops when the run does, leaving no
+        *.part behind; StoreDown when the store cannot be reached, LoadFailed for the rest."""
+        loop = asyncio.get_running_loop()
         cancel = run.cancel_copy = threading.Event()
         copy = loop.run_in_executor(None, functools.partial(
-            sync_to_cache, plan.model_path, node_name=self.agent.name, progress=progress, cancel=cancel))
+            sync_to_cache, prefix, node_name=self.agent.name, progress=progress, cancel=cancel))
         try:
-            local = await asyncio.shield(copy)
+            return Path(await asyncio.shield(copy))
         except asyncio.CancelledError:
             cancel.set()  # the copy stops at its next chunk and removes its partial files
             with contextlib.suppress(Exception):
@@ -668,10 +680,42 @@ class Supervisor(AgentWorker):
             raise
         except Exception as exc:
             kind = StoreDown if isinstance(exc, StoreUnreachable) else LoadFailed
-            raise kind(f"copying {plan.model_path} from the store failed: {exc}") from exc
+            raise kind(f"copying {prefix} from the store failed: {exc}") from exc
         finally:
             run.cancel_copy = None
-        return Path(resolve_model_path(local, plan.format))
+
+    async def _resolve_adapters(self, run: BackendRun, plan: LaunchPlan, model_file: Path) -> dict[str, str]:
+        """The LoRA adapters' files on this node (issue 27 #1): one from the store is copied into
+        the cache as the model is (an air-gapped node needs only the store); each GGUF adapter is
+        checked against the base's architecture here, where both are on one disk (llama.cpp would
+        refuse it with a log line only). name -> the path the engine loads, for the argv's slots."""
+        local: dict[str, str] = {}
+        for adapter in plan.adapters:
+            name, path = str(adapter.get("name", "")), str(adapter.get("path", ""))
+            if is_stored(adapter):
+                folder = await self._copy_from_store(run, path)
+                found = layout.lora_to_serve(folder)
+                if found is None:
+                    raise LoadFailed(f"adapter {name!r}: {path} on node {self.agent.name} holds no GGUF adapter and "
+                                     f"no {layout.PEFT_CONFIG}")
+                if plan.format == layout.GGUF and ("," in str(found) or ":" in str(found)):
+                    raise LoadFailed(f"adapter {name!r}: its file {found.name!r} has ',' or ':', which llama-server's "
+                                     "--lora-scaled list cannot hold; upload it under another file name")
+                local[name] = str(found)
+            else:  # an absolute path: checked again on this disk, as a model's path is
+                try:
+                    if plan.format == layout.GGUF:
+                        await asyncio.to_thread(check_load_path_or_refuse, path)
+                    else:
+                        await asyncio.to_thread(check_peft_folder, path, name)
+                except (LoadRefused, AdapterRefused) as exc:
+                    raise LoadFailed(f"adapter {name!r}: {exc.message} (checked on node {self.agent.name})") from None
+            if plan.format == layout.GGUF:
+                try:
+                    await asyncio.to_thread(check_gguf_adapter, local.get(name, path), base=model_file)
+                except AdapterRefused as exc:
+                    raise LoadFailed(f"{exc.message} (checked on node {self.agent.name})") from None
+        return local
 
     async def _wait_for_build(self, run: BackendRun, plan: LaunchPlan) -> None:
         """A llama.cpp engine whose build still runs on this node (`deploy/bootstrap.sh run` serves

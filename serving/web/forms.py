@@ -71,11 +71,13 @@ class LoadForm(forms.Form):
                                  required=False, max_length=8000,
                                  label="Extra arguments (one --flag value per line, or key=value)")
     adapters = forms.CharField(
-        widget=forms.Textarea(attrs={"rows": 2, "placeholder": "pirate /models/pirate-lora.gguf 1.0"}),
+        widget=forms.Textarea(attrs={"rows": 2, "placeholder": "pirate lora/pirate 1.0"}),
         required=False, max_length=8000,
         label="LoRA adapters (one per line: name path [scale]); each is served as <served name>:<name>",
-        help_text="llama-server (a LoRA GGUF of the same architecture) or vLLM (a PEFT folder). The set is "
-                  "fixed at load: to change it, load again (on llama-server the engine restarts with the new set).")
+        help_text="The path is an adapter in the store (lora/<name>: each node copies it with the model) or an "
+                  "absolute path on the node. llama-server takes a LoRA GGUF of the same architecture, vLLM a PEFT "
+                  "folder. To change the set later, load again (on llama-server the engine restarts with the new "
+                  "set).")
     preset = forms.CharField(max_length=64, required=False, label="Engine preset")
     autostart = forms.BooleanField(required=False, label="Start when the node agent starts (the console is ready "
                                                          "once it is; without it, a clean agent stop leaves it stopped)")

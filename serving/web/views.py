@@ -15,6 +15,7 @@ from accounts.auth import role_required
 from accounts.models import Role
 from accounts.query import ascii_int
 from hardware.models import GpuDevice, Node
+from hub import layout
 from hub.models import ModelArtifact
 from serving.control import presets, runtime_adapters
 from serving.control.placement import gpu_rooms
@@ -24,6 +25,7 @@ from serving.control.services import request_load, request_restart, request_unlo
 from serving.models import (
     EnginePreset,
     InstanceState,
+    InstanceType,
     ModelDeployment,
     ModelInstance,
     ScalingDecision,
@@ -170,10 +172,30 @@ def load_page(request: HttpRequest) -> HttpResponse:
     preset_rows, preset_selected = _preset_choice(request.POST if request.method == "POST" else request.GET)
     ctx = {"form": form, "nodes": nodes, "node_name": node_name, "error": error,
            "preset_rows": preset_rows, "preset_selected": preset_selected,
-           "can_operate": _can_operate(request),
-           "artifacts": ModelArtifact.objects.filter(complete=True).values_list("prefix", flat=True)[:500]}
+           "can_operate": _can_operate(request), "store_adapters": _store_adapters(),
+           "artifacts": _store_models()}
     status = 400 if error or (request.method == "POST" and not form.is_valid()) else 200
     return render(request, "serving/load.html", ctx, status=status)
+
+
+def _store_models() -> list[str]:
+    """The store's complete models, for the Load page's and the presets page's pick list (an
+    adapter under lora/ loads with its base, never alone)."""
+    return list(ModelArtifact.objects.filter(complete=True).exclude(format=layout.LORA)
+                .values_list("prefix", flat=True)[:500])
+
+
+def _store_adapters() -> list[dict]:
+    """The store's complete LoRA adapters for the Load page: prefix, the line to add, the engine."""
+    rows = []
+    for prefix, files in ModelArtifact.objects.filter(complete=True, format=layout.LORA).values_list(
+            "prefix", "files")[:200]:
+        kind = layout.lora_base_format(str(f.get("path", "")) for f in files or [] if isinstance(f, dict))
+        name = re.sub(r"[^a-z0-9._-]", "-", prefix.split("/", 1)[1].lower()).strip("-._")[:64] or "adapter"
+        rows.append({"prefix": prefix, "line": f"{name} {prefix} 1.0",
+                     "kind": {layout.GGUF: "GGUF, for llama-server", layout.HUGGINGFACE: "PEFT, for vLLM"}.get(
+                         kind or "", "unreadable")})
+    return rows
 
 
 @require_GET
@@ -194,6 +216,8 @@ def instance_detail(request: HttpRequest, pk: int) -> HttpResponse:
                     .order_by("replica", "pk"))
     deployment = ModelDeployment.objects.filter(model_name=inst.model_name).first()
     ctx["runtime_adapters"] = inst.backend == "vllm"
+    if inst.type == InstanceType.LLM and not request.htmx:
+        ctx["store_adapters"] = _store_adapters()
     ctx.update(replicas=replicas, replicas_desired=deployment.replicas if deployment else len(replicas),
                deployment=deployment,
                decisions=list(ScalingDecision.objects.filter(model_name=inst.model_name)[:20]))
@@ -447,5 +471,5 @@ def presets_page(request: HttpRequest) -> HttpResponse:
                          outcome="refused", detail={"message": error[:300]})
     ctx = {"presets": presets.listing(), "error": error, "inputs": SETTING_INPUTS, "form": request.POST,
            "kv_types": presets.KV_CACHE_TYPES,
-           "artifacts": ModelArtifact.objects.filter(complete=True).values_list("prefix", flat=True)[:500]}
+           "artifacts": _store_models()}
     return render(request, "serving/presets.html", ctx, status=status)

@@ -177,3 +177,38 @@ def test_lora_adapters_from_the_dialog_and_the_instance_page(demo_console, page,
     page.locator("#action-msg").get_by_text("may use a-z 0-9").wait_for()
     page.click("#unload-btn")
     page.locator("[data-state=STOPPED]").wait_for(timeout=30_000)
+
+
+def test_an_adapter_from_the_store_added_in_the_load_dialog(demo_console, page, tiny_gguf):
+    """Issue 27 #1: a model and its LoRA adapter, both in the store; "Add" beside the adapter in
+    the Load dialog writes its line, the command shows the slot the node fills in with its cached
+    copy, and the adapter is served once READY."""
+    import httpx
+
+    from hub.demo import write_tiny_lora_gguf
+
+    console = demo_console
+    lora = write_tiny_lora_gguf(tiny_gguf.parent / "store-pirate.gguf")
+    for path, fmt, name in ((tiny_gguf, "gguf", "tiny-st"), (lora, "lora", "pirate")):
+        done = console.manage("hub_upload", str(path), "--format", fmt, "--name", name)
+        assert done.returncode == 0, done.stdout + done.stderr
+    login(page, console.url, console.admin_user, console.admin_password)
+    page.goto(f"{console.url}/models/?format=lora")
+    assert "loads with its base" in page.locator("tr[data-prefix='lora/pirate']").inner_text()
+    page.goto(f"{console.url}/instances/new/?model_path=gguf/tiny-st")
+    page.fill("#id_model_name", "tiny-st")
+    page.select_option("#id_backend", "llama-server")
+    page.get_by_role("button", name="Add lora/pirate to the adapters").click()
+    assert page.input_value("#id_adapters") == "pirate lora/pirate 1.0\n"
+    page.get_by_role("button", name="Add lora/pirate to the adapters").click()  # once only
+    assert page.input_value("#id_adapters") == "pirate lora/pirate 1.0\n"
+    page.locator("#command-line").get_by_text("{adapter:pirate}:1").wait_for()
+    page.click("#load-submit")
+    page.wait_for_url(re.compile(r"/instances/\d+/$"))
+    page.locator("[data-state=READY]").wait_for(timeout=60_000)
+    assert "lora/pirate" in page.locator("#adapters tr[data-adapter=pirate]").inner_text()
+    key = console.manage("createapikey", "--username", console.admin_user).stdout.strip().splitlines()[-1]
+    models = httpx.get(f"{console.url}/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=10).json()
+    assert "tiny-st:pirate" in {m["id"] for m in models["data"]}
+    page.click("#unload-btn")
+    page.locator("[data-state=STOPPED]").wait_for(timeout=30_000)

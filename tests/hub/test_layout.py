@@ -67,6 +67,30 @@ def test_layout_problem_says_why_a_source_is_no_model():
     assert "Unknown format" in layout.layout_problem("onnx", [], is_dir=True, name="/x")
 
 
+def test_a_lora_adapter_is_a_gguf_file_or_a_peft_folder(tmp_path):
+    problem = layout.layout_problem
+    assert problem("lora", [], is_dir=False, name="/x/a.gguf") is None
+    assert problem("lora", ["a.gguf"], is_dir=True, name="/x") is None
+    assert problem("lora", ["adapter_config.json", "adapter_model.safetensors"], is_dir=True, name="/x") is None
+    assert "not a LoRA adapter" in problem("lora", [], is_dir=False, name="/x/a.bin")
+    assert "no GGUF adapter and no adapter_config.json" in problem("lora", ["config.json"], is_dir=True, name="/x")
+    assert "more than one .gguf" in problem("lora", ["a.gguf", "b.gguf"], is_dir=True, name="/x")
+    assert layout.lora_base_format(["sub/a.gguf"]) == "gguf"
+    assert layout.lora_base_format(["sub/adapter_config.json", "adapter_config.json"]) == "huggingface"
+    assert layout.lora_base_format(["config.json"]) is None
+    assert layout.peft_root_rel(["deep/x/adapter_config.json", "snap/adapter_config.json"]) == "snap"
+
+    gguf = make_model_dir(tmp_path / "g", {"pirate.gguf": b"g" * 7, "README.md": b"r"})
+    assert layout.model_to_serve(gguf, "lora") == gguf / "pirate.gguf"
+    assert layout.weights_bytes(gguf, "lora") == 7
+    peft = make_model_dir(tmp_path / "p", {"snap/adapter_config.json": b"{}", "snap/adapter_model.safetensors": b"w" * 9,
+                                           "snap/tokenizer.json": b"t"})
+    assert layout.model_to_serve(peft, "lora") == peft / "snap"
+    assert layout.weights_bytes(peft, "lora") == 9
+    assert layout.model_to_serve(make_model_dir(tmp_path / "n", {"x.txt": b"x"}), "lora") is None
+    assert "lora" in layout.FORMATS and "lora" not in layout.MODEL_FORMATS
+
+
 def test_the_node_cache_serves_what_the_layout_picks(tmp_path):
     from hub.cache import CacheError, resolve_model_path
 

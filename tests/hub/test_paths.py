@@ -7,6 +7,7 @@ from hub.paths import InvalidPrefix, name_from_repo_id, safe_join, validate_name
 BAD = [
     "", "gguf", "gguf/", "../etc", "gguf/../../etc/passwd", "gguf/a/../../b", "/gguf/x", "gguf//x",
     "gguf\\x", "gguf/x\x00y", "gguf/x\ny", "models/x", "gguf/./x", "~/gguf/x", "huggingface/..",
+    "lora", "lora/", "lora/../gguf/x", "loras/x",
 ]
 
 
@@ -19,6 +20,7 @@ def test_it_refuses_bad_prefixes(prefix):
 def test_it_normalises_good_prefixes():
     assert validate_prefix("gguf/Qwen_Qwen3-4B/") == "gguf/Qwen_Qwen3-4B"
     assert validate_prefix("huggingface/m/sub/file.bin") == "huggingface/m/sub/file.bin"
+    assert validate_prefix("lora/pirate/") == "lora/pirate"  # LoRA adapters (issue 27)
 
 
 def test_repo_ids_become_one_safe_segment():

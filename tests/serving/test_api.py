@@ -82,7 +82,7 @@ def test_default_name_and_unload_by_name(client, node, operator, tiny_gguf):
     ({"model_path": "/etc/hostname"}, 400, "not under XGEN_IMPORT_DIRS"),
     ({"model_path": "/tmp/xgen-no-such-dir/model.gguf"}, 400, "does not exist on the server"),
     ({"model_path": "gguf/not-in-store"}, 400, "no model 'gguf/not-in-store' in the store"),
-    ({"model_path": "relative/path"}, 400, "gguf/ or huggingface/"),
+    ({"model_path": "relative/path"}, 400, "gguf/, huggingface/ or lora/"),
     ({"model_path": ""}, 400, "empty"),
     ({"model_path": "TINY", "model_name": "bad name; rm"}, 400, "model_name"),
     ({"model_path": "TINY", "server_type": "vision"}, 400, "server_type"),

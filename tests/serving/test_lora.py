@@ -118,6 +118,67 @@ def test_the_load_dialog_takes_adapters_one_per_line(node, operator, tiny_gguf, 
         {"name": "pirate", "path": str(tiny_lora), "scale": 1.0}]
 
 
+# ---------------------------------------------------------------- adapters in the store (lora/<name>)
+@pytest.fixture
+def store(settings, tmp_path):
+    settings.STORE_DIR, settings.MINIO_ENDPOINT = tmp_path / "store", ""
+    from hub.store import get_store
+
+    return get_store()
+
+
+@pytest.mark.django_db
+def test_adapters_from_the_store_are_checked_at_load(client, node, operator, tiny_gguf, tiny_lora, store, tmp_path):
+    from django.test import Client
+
+    from hub.index import index_prefix
+    from serving.control.allocation import cache_users
+    from serving.control.planning import LaunchPlan
+    from serving.models import ModelInstance
+
+    set_backends(NODE, node_backends())
+    store.upload_model("lora/pirate", tiny_lora)
+    index_prefix("lora/pirate", store=store)
+    store.upload_model("lora/unindexed", tiny_lora)  # in the store, not yet in the index: its manifest is read
+    peft = tmp_path / "peft"
+    peft.mkdir()
+    (peft / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 8}')
+    (peft / "adapter_model.safetensors").write_bytes(b"x" * 32)
+    store.upload_model("lora/peft", peft)
+    index_prefix("lora/peft", store=store)
+    refused = [("lora/missing", "adapter_not_found"), ("gguf/pirate", "invalid_path"),
+               ("lora/pirate/tiny-lora.gguf", "invalid_path"), ("lora/../gguf/x", "invalid_path"),
+               ("lora/peft", "invalid_adapter")]  # a PEFT folder for vLLM, not for a GGUF on llama-server
+    for path, code in refused:
+        r = _load(client, operator, tiny_gguf, [{"name": "a", "path": path}], backend="llama-server")
+        assert r.status_code == 400 and r.json()["error"]["code"] == code, (path, r.content)
+    r = client.post("/api/management/load", {"model_path": "lora/pirate"}, content_type="application/json",
+                    **bearer(operator.key))
+    assert r.status_code == 400 and "is a LoRA adapter: load its base model with it" in r.json()["error"]["message"]
+
+    r = _load(client, operator, tiny_gguf, [{"name": "pirate", "path": "lora/pirate", "scale": 0.5},
+                                            {"name": "other", "path": "lora/unindexed/"}], backend="llama-server")
+    assert r.status_code == 202, r.content
+    inst = ModelInstance.objects.get(pk=r.json()["id"])
+    assert inst.adapters == [{"name": "pirate", "path": "lora/pirate", "scale": 0.5},
+                             {"name": "other", "path": "lora/unindexed", "scale": 1.0}]
+    assert "{adapter:pirate}:0.5,{adapter:other}:1" in inst.plan["argv"]  # the node fills in its cached copies
+    argv = LaunchPlan.from_json(inst.plan).command(adapters={"pirate": "/cache/p.gguf", "other": "/cache/o.gguf"})
+    assert "/cache/p.gguf:0.5,/cache/o.gguf:1" in argv
+    users = cache_users(NODE)  # the node's cache keeps them while the instance runs
+    assert [u.id for u in users["lora/pirate"]] == [inst.pk] == [u.id for u in users["lora/unindexed"]]
+
+    # The pages: the store lists the adapter as one that loads with its base; the Load page offers it.
+    c = Client()
+    c.force_login(operator.user)
+    listing = c.get("/models/?format=lora").content.decode()
+    assert "lora/pirate" in listing and "loads with its base" in listing
+    page = c.get("/instances/new/").content.decode()
+    assert 'data-line="pirate lora/pirate 1.0"' in page and "GGUF, for llama-server" in page
+    assert 'data-line="peft lora/peft 1.0"' in page and "PEFT, for vLLM" in page
+    assert '<option value="lora/pirate">' not in page  # not offered as a model to load
+
+
 # ---------------------------------------------------------------- end to end, llama-server
 @pytest.fixture(scope="module")
 def lc(tmp_path_factory) -> Iterator[KeyedConsole]:
@@ -184,3 +245,38 @@ def test_an_adapter_is_a_model_of_its_own_on_llama_server(lc, tiny_gguf, tiny_lo
     assert counts["tl"] >= 3, counts  # the base's own requests stay the base's
     httpx.post(f"{lc.url}/api/management/unload", headers=lc.auth, json={"id": pk}, timeout=10)
     wait_api(f"{lc.url}/api/management/instances/{pk}", lc.key, lambda b: b["state"] == "STOPPED", timeout=60)
+
+
+@pytest.mark.slow  # a real llama-server, model and adapter copied from the store: 15 s
+def test_a_model_and_its_adapter_from_the_store(lc, tiny_gguf, tiny_lora, tmp_path):
+    """What an air-gapped node does: the base and the adapter come from the store into the node's
+    cache; the adapter's architecture is checked there against the base."""
+    for path, fmt, name in ((tiny_gguf, "gguf", "tiny-base"), (tiny_lora, "lora", "pirate"),
+                            (write_tiny_lora_gguf(tmp_path / "qwen-lora.gguf", architecture="qwen2"), "lora", "qwen")):
+        done = lc.console.manage("hub_upload", str(path), "--format", fmt, "--name", name)
+        assert done.returncode == 0, done.stdout + done.stderr
+    listed = httpx.get(f"{lc.url}/api/storage/models", headers=lc.auth, params={"prefix": "lora/"}, timeout=10).json()
+    assert {"lora/pirate", "lora/qwen"} <= {m["prefix"] for m in listed["items"]}, listed
+
+    load = {"model_path": "gguf/tiny-base", "model_name": "st", "backend": "llama-server"}
+    r = httpx.post(f"{lc.url}/api/management/load", headers=lc.auth, timeout=30,
+                   json={**load, "adapters": [{"name": "pirate", "path": "lora/pirate"}]})
+    assert r.status_code == 202, r.text
+    pk = r.json()["id"]
+    inst = wait_api(f"{lc.url}/api/management/instances/{pk}", lc.key, lambda b: b["state"] in ("READY", "ERROR"),
+                    timeout=120)
+    assert inst["state"] == "READY", inst
+    cached = lc.console.data_dir / "models" / "lora" / "pirate" / tiny_lora.name
+    assert cached.is_file() and cached.read_bytes() == tiny_lora.read_bytes()
+    assert _text(_complete(lc, "st:pirate")) != _text(_complete(lc, "st"))
+    httpx.post(f"{lc.url}/api/management/unload", headers=lc.auth, json={"id": pk}, timeout=10)
+    wait_api(f"{lc.url}/api/management/instances/{pk}", lc.key, lambda b: b["state"] == "STOPPED", timeout=60)
+
+    # An adapter made for another architecture: refused on the node before llama-server starts.
+    r = httpx.post(f"{lc.url}/api/management/load", headers=lc.auth, timeout=30,
+                   json={**load, "model_name": "st2", "adapters": [{"name": "qwen", "path": "lora/qwen"}]})
+    assert r.status_code == 202, r.text
+    inst = wait_api(f"{lc.url}/api/management/instances/{r.json()['id']}", lc.key,
+                    lambda b: b["state"] in ("READY", "ERROR"), timeout=120)
+    assert inst["state"] == "ERROR" and "is for 'qwen2'; the base model is 'llama'" in inst["error"], inst
+    assert inst["pid"] is None

@@ -233,3 +233,33 @@ def test_llama_server_restarts_its_replicas_with_the_new_set(client, node, opera
     inst = ModelInstance.objects.get(pk=pk)
     assert inst.restart_requested and inst.adapters == [{"name": "pirate", "path": str(lora), "scale": 0.5}]
     assert f"{lora}:0.5" in inst.plan["argv"]
+
+
+def test_an_adapter_from_the_store_added_to_vllm_takes_a_rolling_restart(client, gpu_node, operator, hf_model,
+                                                                        tmp_path, stand_ins, settings):
+    """vLLM's /v1/load_lora_adapter reads a path on the engine's node: one from the store must be
+    copied into that node's cache first, which a replica's start does (the supervisor)."""
+    from hub.index import index_prefix
+    from hub.store import get_store
+    from serving.control.rollout import progress_rollouts
+    from serving.models import ModelInstance
+
+    settings.STORE_DIR, settings.MINIO_ENDPOINT = tmp_path / "store", ""
+    get_store().upload_model("lora/sql", _peft(tmp_path, "sql"))
+    index_prefix("lora/sql")
+    r = client.post("/api/management/load", {"model_path": str(hf_model), "model_name": "hf",
+                                             "extra_args": {"--enable-lora": True}},
+                    content_type="application/json", **bearer(operator.key))
+    assert r.status_code == 202, r.content
+    rows = _ready("hf", stand_ins)
+    r = _add(client, operator.key, {"model_name": "hf", "name": "sql", "path": "lora/sql"})
+    assert r.status_code == 202, r.content
+    assert r.json() == {"model_name": "hf", "adapter": "hf:sql", "applied": "rolling_restart",
+                        "replicas": [rows[0].pk]}
+    assert not any(s.calls for s in stand_ins)
+    assert any("copies an adapter from the store" in e.message for e in rows[0].events.all())
+    assert progress_rollouts() == [rows[0].pk]
+    inst = ModelInstance.objects.get(pk=rows[0].pk)
+    assert inst.adapters == [{"name": "sql", "path": "lora/sql", "scale": 1.0}]
+    argv = inst.plan["argv"]
+    assert argv[argv.index("--lora-modules") + 1] == "hf:sql={adapter:sql}"  # the agent fills in its copy
