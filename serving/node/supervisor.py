@@ -19,6 +19,7 @@ import logging
 import os
 import secrets
 import signal
+import socket
 import sys
 import threading
 import time
@@ -85,21 +86,38 @@ HEALTH_POLL_S = 0.25
 DRAIN_SETTLE_S = 1.0  # a stop waits this long before it asks a backend for its requests in flight
 DRAIN_POLL_S = 0.25
 DRAIN_ASK_TIMEOUT_S = 2.0
-# Health polls while a backend starts. Once its port answers (llama-server's 503 "loading", a few
-# ms after the spawn): every 10 ms for its first 2 s, since at 50 ms a poll the wait after the 503
-# cost 54-60 ms of a 180-360 ms load (traced). Before that, every 50 ms: polling a port nothing
-# listens on every 10 ms took CPU from llama-cpp-python's own start (+50 ms of its 600 ms, 2 cores).
-# After 10 s, HEALTH_POLL_S.
+# Health polls while a backend starts. Until its port listens, a bare TCP connect every 10 ms for
+# its first 10 s (tens of microseconds of CPU: an HTTP request to a closed port every 10 ms took
+# CPU from llama-cpp-python's own start, +50 ms of its 600 ms on 2 cores, so it was polled every
+# 50 ms, and a load waited 25 ms for its poll on average; llama-cpp-python opens its port only once
+# the model is loaded). Once it listens, the HTTP health route every 10 ms for its first 2 s
+# (llama-server answers 503 "loading" a few ms after the spawn; at 50 ms a poll the wait after the
+# 503 cost 54-60 ms of a 180-360 ms load, traced). After that, HEALTH_POLL_S.
 HEALTH_POLL_ANSWERING_S, ANSWERING_FAST_FOR_S = 0.01, 2.0
-HEALTH_POLL_STARTING_S, STARTING_FAST_FOR_S = 0.05, 10.0
+PORT_POLL_S, STARTING_FAST_FOR_S = 0.01, 10.0
 
 
 def health_poll_s(elapsed: float, *, answering: bool) -> float:
-    """Seconds before the next health poll of a backend started `elapsed` s ago; `answering`: its
-    port has given an HTTP answer (not yet 200)."""
+    """Seconds before the next poll of a backend started `elapsed` s ago; `answering`: its port
+    has given an HTTP answer (not yet 200), else it is probed with a bare connect first."""
     if answering and elapsed < ANSWERING_FAST_FOR_S:
         return HEALTH_POLL_ANSWERING_S
-    return HEALTH_POLL_STARTING_S if elapsed < STARTING_FAST_FOR_S else HEALTH_POLL_S
+    return PORT_POLL_S if elapsed < STARTING_FAST_FOR_S else HEALTH_POLL_S
+
+
+async def port_listens(host: str, port: int, *, timeout: float = 1.0) -> bool:
+    """Whether something accepts TCP connections on host:port (a connect, closed at once)."""
+    loop = asyncio.get_running_loop()
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setblocking(False)
+    try:
+        async with asyncio.timeout(timeout):
+            await loop.sock_connect(sock, (host.strip("[]"), port))
+        return True
+    except (OSError, TimeoutError):
+        return False
+    finally:
+        sock.close()
 
 
 WARMUP_TIMEOUT_S = 120
@@ -809,7 +827,9 @@ class Supervisor(AgentWorker):
         while time.monotonic() < deadline:
             if run.exited():
                 return "exited"
-            if await self._healthy(run, timeout=2.0):
+            elapsed = time.monotonic() - started
+            if (run.answered or elapsed >= STARTING_FAST_FOR_S or await port_listens(run.host, run.port)) \
+                    and await self._healthy(run, timeout=2.0):
                 return "ok"
             # A ready line in the log only makes the next poll come sooner.
             hint = run.tailer.ready_hint

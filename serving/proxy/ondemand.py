@@ -221,6 +221,9 @@ async def _run_start(start: ColdStart, standby: list[Standby]) -> list[Backend]:
     seen_up = False
     error_since: float | None = None
     while True:
+        group = routing_table.routed(start.model, started_id)  # the pushed read that woke us has it READY
+        if group:
+            return group
         rows = await run_db(_states, ids)
         mine = next((r for r in rows if r[0] == started_id), None)
         if mine is None:

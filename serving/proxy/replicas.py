@@ -334,6 +334,12 @@ class RoutingTable:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(asyncio.shield(self._loaded), timeout)
 
+    def routed(self, model: str, instance_id: int) -> list[Backend] | None:
+        """The model's backends in the last read, when `instance_id` is among them (READY and
+        routable): what a cold start waits for, without a read of its own."""
+        group = self._snapshot.by_name.get(model) if self._snapshot is not None else None
+        return group if group and any(b.instance_id == instance_id for b in group) else None
+
     def backends(self) -> list[Backend]:
         """Every backend of the current table, and those that left it with requests still in flight."""
         return [*self._backends.values(), *(b for b in list(self._leaving.values()) if b.in_flight > 0)]

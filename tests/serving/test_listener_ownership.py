@@ -37,3 +37,24 @@ def test_a_listener_held_by_another_process_of_the_group_is_ours(tmp_path):
     finally:
         os.killpg(leader.pid, 9)
         leader.wait()
+
+
+async def test_a_bare_connect_says_whether_a_port_listens():
+    """What the health wait asks before its HTTP probe while a backend starts (a connect costs tens
+    of microseconds; an HTTP request to a closed port every 10 ms took CPU from the engine's start)."""
+    import socket
+
+    from serving.node.supervisor import port_listens
+
+    port = free_port()
+    assert not await port_listens("127.0.0.1", port)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", port))
+        assert not await port_listens("127.0.0.1", port)  # bound, not listening yet
+        sock.listen()
+        assert await port_listens("127.0.0.1", port)
+    with socket.socket(socket.AF_INET6) as sock6:
+        sock6.bind(("::1", 0))
+        sock6.listen()
+        assert await port_listens("::1", sock6.getsockname()[1])
+        assert await port_listens("[::1]", sock6.getsockname()[1])
