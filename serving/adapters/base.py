@@ -82,6 +82,10 @@ class LaunchSpec:
     # LoRA adapters loaded with the model (issue 27): ((name, path, scale), ...), checked by
     # serving.control.lora; an adapter whose `supports_adapters` is False never gets any.
     adapters: tuple[tuple[str, str, float], ...] = ()
+    # The node's CPU (issue 28 #2): its cores, and how many llama.cpp backends run on them, this one
+    # included, when it runs on the CPU (each then gets its share of threads: `cpu_threads`).
+    cpu_cores: int = 0
+    cpu_backends: int = 1
 
     @property
     def is_embedding(self) -> bool:
@@ -171,6 +175,23 @@ class BackendAdapter:
         """The argv the console adds for many users at once where the load sets none of it (issue
         28 #2), and why, for the verdict; ([], "") where the engine's own defaults stand."""
         return [], ""
+
+    @staticmethod
+    def cpu_threads(spec: LaunchSpec) -> int | None:
+        """Threads for a backend that shares the node's CPU with other llama.cpp backends: its
+        share of the cores (at least 1); None when it runs alone or on GPUs (the engine's own
+        default: every core). ggml's threads spin while they wait for one another, so two backends
+        that each take every core of a 2-core node slow each other down far more than half."""
+        if spec.gpus or spec.cpu_cores <= 0 or spec.cpu_backends <= 1:
+            return None
+        return max(1, spec.cpu_cores // spec.cpu_backends)
+
+    @staticmethod
+    def threads_reason(spec: LaunchSpec, threads: int) -> str:
+        """The verdict's words for `cpu_threads`."""
+        return (f"{threads} thread{'s' if threads != 1 else ''}: its share of the node's {spec.cpu_cores} cores "
+                f"with {spec.cpu_backends - 1} other llama.cpp backend{'s' if spec.cpu_backends != 2 else ''} on "
+                "the CPU")
 
     def device_env(self, spec: LaunchSpec) -> dict[str, str]:
         """Which GPUs the process may see."""

@@ -54,6 +54,14 @@ class LlamaCppPythonServer(BackendAdapter):
         # ServerSettings (pydantic-settings) reads `api_key` from API_KEY when --api_key is absent.
         return {"API_KEY": secret}
 
+    def serving_defaults(self, spec: LaunchSpec) -> tuple[list[str], str]:
+        """On a CPU that other llama.cpp backends share, its share of the cores (BackendAdapter.cpu_threads)
+        for generation and prompt processing alike, unless the load sets either."""
+        threads = self.cpu_threads(spec)
+        if not threads or {"--n_threads", "--n_threads_batch"} & self.checked_extra_args(spec).keys():
+            return [], ""
+        return ["--n_threads", str(threads), "--n_threads_batch", str(threads)], self.threads_reason(spec, threads)
+
     def build_command(self, spec: LaunchSpec) -> list[str]:
         cmd = [
             spec.python or sys.executable, "-m", "llama_cpp.server",
@@ -72,4 +80,4 @@ class LlamaCppPythonServer(BackendAdapter):
             # 3 of 4 concurrent chats came back 200 with a role chunk and [DONE], no text
             # (bench/engines.py). Requests then wait their turn instead (one answers at a time).
             cmd += ["--interrupt_requests", "false"]
-        return cmd + extra
+        return cmd + self.serving_defaults(spec)[0] + extra

@@ -110,14 +110,21 @@ class LlamaServer(BackendAdapter):
     def serving_defaults(self, spec: LaunchSpec) -> tuple[list[str], str]:
         """A chat model gets DEFAULT_SLOTS slots over one unified KV cache of the model's whole
         context (so no slot is cut to a sixteenth of it), unless the load or its preset sets the
-        slots or the KV layout. Embedding and rerank models keep the engine's own."""
-        if spec.server_type != "llm" or predates(spec.version, KV_UNIFIED_SINCE):
-            return [], ""
-        if {"--parallel", "--kv-unified", "--no-kv-unified"} & self.checked_extra_args(spec).keys():
-            return [], ""
-        return (["--parallel", str(DEFAULT_SLOTS), "--kv-unified"],
-                f"{DEFAULT_SLOTS} slots sharing one KV cache of the model's context, for many users at once "
-                f"(with llama-server's own 4, 12 of 16 chats wait: TTFT p50 5.3 s against 2.4 s)")
+        slots or the KV layout; embedding and rerank models keep the engine's own. On a CPU that
+        other llama.cpp backends share, its share of the cores as `--threads` (BackendAdapter.cpu_threads)."""
+        argv: list[str] = []
+        why: list[str] = []
+        given = self.checked_extra_args(spec).keys()
+        if spec.server_type == "llm" and not predates(spec.version, KV_UNIFIED_SINCE) \
+                and not {"--parallel", "--kv-unified", "--no-kv-unified"} & given:
+            argv += ["--parallel", str(DEFAULT_SLOTS), "--kv-unified"]
+            why.append(f"{DEFAULT_SLOTS} slots sharing one KV cache of the model's context, for many users at once "
+                       f"(with llama-server's own 4, 12 of 16 chats wait: TTFT p50 5.3 s against 2.4 s)")
+        threads = self.cpu_threads(spec)
+        if threads and not {"--threads", "--threads-batch"} & given:
+            argv += ["--threads", str(threads)]
+            why.append(self.threads_reason(spec, threads))
+        return argv, "; ".join(why)
 
     def build_command(self, spec: LaunchSpec) -> list[str]:
         cmd = [

@@ -49,7 +49,7 @@ from serving.control.selection import (
     fallback_backends,
     node_gpu_type,
 )
-from serving.models import InstanceType, ModelInstance
+from serving.models import ACTIVE_STATES, DesiredState, InstanceType, ModelInstance
 
 MODEL_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
 # argv items the agent fills in at launch: the port it picks, the model's local path, its Python,
@@ -296,7 +296,7 @@ def make_launch_plan(*, node: Node, source: ModelSource, model_name: str, server
                      placed_gpus: list[int] | None = None, node_type: str | None = None,
                      avoid_gpus: frozenset[int] = frozenset(),
                      adapters: list[dict] | None = None,
-                     preset: dict | None = None) -> tuple[LaunchPlan, MemoryEstimate, dict]:
+                     preset: dict | None = None, instance_id: int | None = None) -> tuple[LaunchPlan, MemoryEstimate, dict]:
     """The one place a load is decided: (plan, estimate, normalized extra_args); raises LoadRefused.
 
     The backend is chosen here and nowhere else on the load path (`choose_backend`: the one entry,
@@ -308,7 +308,8 @@ def make_launch_plan(*, node: Node, source: ModelSource, model_name: str, server
     again), else read here. `avoid_gpus`: GPUs of the node that another replica of the model holds
     (a replica never shares one). `preset`: the engine preset ({name, settings}) whose flags, as
     the chosen engine takes them, come before extra_args (serving.control.presets); the normalized
-    extra_args returned are the load's own, without the preset's."""
+    extra_args returned are the load's own, without the preset's. `instance_id`: the instance a
+    plan is made again for (not counted among the backends that share the node's CPU)."""
     node_type = node_type or _gpu_type_of(node)
     try:
         choice = choose_backend(fmt=source.fmt, gpu_type=node_type, backends=node.backends,
@@ -361,7 +362,8 @@ def make_launch_plan(*, node: Node, source: ModelSource, model_name: str, server
         model_file=Path(MODEL_SLOT), model_name=model_name, server_type=server_type, host=bind_host(node.address),
         port=PORT_SLOT, gpus=tuple(chosen), gpu_type=gpu_type, flavour=choice.flavour, version=choice.version,
         executable=choice.path, python=PYTHON_SLOT, tensor_parallel_size=tp, extra_args=run_args,
-        extra_args_checked=True, api_key_file=KEY_FILE_SLOT,
+        extra_args_checked=True, api_key_file=KEY_FILE_SLOT, cpu_cores=node.cpu_count or 0,
+        cpu_backends=1 + (0 if chosen else cpu_backends_on(node, besides=instance_id)),
         adapters=tuple((a["name"], adapter_slot(a["name"]) if is_stored(a) else a["path"], float(a.get("scale", 1.0)))
                        for a in adapters or ()),
     )
@@ -581,7 +583,7 @@ def fallback_plan(inst: ModelInstance, failed: LaunchPlan) -> tuple[LaunchPlan |
                 node=node, source=source, model_name=inst.model_name, server_type=failed.server_type, backend=name,
                 gpus=None, tensor_parallel_size=failed.tensor_parallel_size, extra_args=inst.extra_args,
                 placed_gpus=list(failed.gpus), node_type=node_type, adapters=list(inst.adapters or []),
-                preset=inst.preset)
+                preset=inst.preset, instance_id=inst.pk)
         except LoadRefused as exc:
             why.append(f"{name}: {exc.message}")
             continue
@@ -605,8 +607,19 @@ def replan_instance(inst: ModelInstance, extra_args: dict | None) -> tuple[Launc
         node=inst.node, source=source, model_name=inst.model_name, server_type=inst.type, backend=inst.backend,
         gpus=None, tensor_parallel_size=inst.tensor_parallel_size, extra_args=extra_args,
         placed_gpus=list(inst.gpus or (old.gpus if old else ())), adapters=list(inst.adapters or []),
-        preset=inst.preset)
+        preset=inst.preset, instance_id=inst.pk)
     return dataclasses.replace(plan, fallback=bool(old and old.fallback)), extra
+
+
+LLAMA_CPP_ENGINES = ("llama-server", "llama-cpp-python")
+
+
+def cpu_backends_on(node: Node, *, besides: int | None = None) -> int:
+    """llama.cpp backends that run (or start) on `node`'s CPU, holding no GPU (`besides`: one not
+    to count): the ones a new CPU backend there shares the cores with."""
+    rows = ModelInstance.objects.filter(node=node, state__in=ACTIVE_STATES, desired_state=DesiredState.RUNNING,
+                                        backend__in=LLAMA_CPP_ENGINES).exclude(pk=besides).values_list("gpus", flat=True)
+    return sum(1 for gpus in rows if not gpus)
 
 
 def plan_for_instance(inst: ModelInstance) -> LaunchPlan:
@@ -627,7 +640,7 @@ def plan_for_instance(inst: ModelInstance) -> LaunchPlan:
         node=inst.node, source=source, model_name=inst.model_name, server_type=inst.type, backend=inst.backend,
         gpus=None, tensor_parallel_size=inst.tensor_parallel_size, extra_args=inst.extra_args,
         placed_gpus=list(inst.gpus) if inst.gpus else None, adapters=list(inst.adapters or []),
-        preset=inst.preset)
+        preset=inst.preset, instance_id=inst.pk)
     ModelInstance.objects.filter(pk=inst.pk).update(plan=plan.to_json())
     inst.plan = plan.to_json()
     return plan

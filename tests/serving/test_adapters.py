@@ -146,6 +146,31 @@ def test_llama_server_serves_many_users_by_default():
     assert get_adapter("llama-cpp-python").serving_defaults(spec(model_file=GGUF, model_name="t")) == ([], "")
 
 
+def test_a_shared_cpu_gives_each_backend_its_share_of_the_cores():
+    """Issue 28 #2: a backend alone on the CPU, or on GPUs, keeps the engine's own threads (every
+    core); one that shares the CPU with other llama.cpp backends gets cores // backends (>= 1)."""
+    ls, lcp = get_adapter("llama-server"), get_adapter("llama-cpp-python")
+    alone = spec(model_file=GGUF, model_name="t", version="b6500", cpu_cores=8, cpu_backends=1)
+    assert "--threads" not in ls.build_command(alone) and "--n_threads" not in lcp.build_command(alone)
+    shared = spec(model_file=GGUF, model_name="t", version="b6500", cpu_cores=8, cpu_backends=3)
+    cmd = ls.build_command(shared)
+    assert cmd[cmd.index("--threads") + 1] == "2" and "--threads-batch" not in cmd
+    assert "2 threads: its share of the node's 8 cores with 2 other llama.cpp backends on the CPU" in \
+        ls.serving_defaults(shared)[1] and "16 slots" in ls.serving_defaults(shared)[1]
+    cmd = lcp.build_command(shared)
+    assert cmd[cmd.index("--n_threads") + 1] == "2" and cmd[cmd.index("--n_threads_batch") + 1] == "2"
+    crowded = spec(model_file=GGUF, model_name="t", cpu_cores=2, cpu_backends=5)
+    assert "1 thread: its share" in lcp.serving_defaults(crowded)[1]
+    on_gpu = spec(model_file=GGUF, model_name="t", cpu_cores=8, cpu_backends=3, gpus=(0,), gpu_type="NVIDIA",
+                  flavour="cuda")
+    assert "--threads" not in ls.build_command(on_gpu) and "--n_threads" not in lcp.build_command(on_gpu)
+    given = spec(model_file=GGUF, model_name="t", cpu_cores=8, cpu_backends=3, extra_args={"--threads-batch": 6})
+    assert "--threads" not in ls.build_command(given)  # the load's own threads stand
+    given = spec(model_file=GGUF, model_name="t", cpu_cores=8, cpu_backends=3, extra_args={"--n_threads": 6})
+    cmd = lcp.build_command(given)
+    assert cmd.count("--n_threads") == 1 and cmd[cmd.index("--n_threads") + 1] == "6" and "--n_threads_batch" not in cmd
+
+
 def test_llama_cpp_python_command():
     lcp = get_adapter("llama-cpp-python")
     cmd = lcp.build_command(spec(model_file=GGUF, model_name="tiny", server_type="embedding",

@@ -96,3 +96,37 @@ def test_a_cpu_backend_on_a_gpu_node_is_told_to_see_no_gpu(node, tiny_gguf):
     plan = plan_load(model_path=str(tiny_gguf), model_name="c").launch
     assert plan.backend == "llama-cpp-python" and plan.gpus == ()
     assert plan.env["CUDA_VISIBLE_DEVICES"] == ""
+
+
+def test_backends_that_share_a_cpu_split_its_cores(client, node, operator, tiny_gguf):
+    """Issue 28 #2, the default threads from the node: the first llama.cpp backend on a 4-core CPU
+    keeps the engine's own (every core); the next ones get 4 // backends there (a stopped one and
+    a backend on a GPU do not count), and a plan made again does not count its own instance."""
+    from serving.control.planning import replan_instance
+    from serving.models import ModelInstance
+    from tests.serving.conftest import node_backends, set_backends
+
+    type(node).objects.filter(pk=node.pk).update(cpu_count=4)
+    set_backends(NODE, node_backends())
+
+    def load(name: str, backend: str) -> ModelInstance:
+        r = _load(client, operator.key, {"model_path": str(tiny_gguf), "model_name": name, "backend": backend})
+        assert r.status_code == 202, r.content
+        return ModelInstance.objects.get(pk=r.json()["id"])
+
+    first = load("one", "llama-server")
+    assert "--threads" not in first.plan["argv"] and "thread" not in first.backend_reason
+    second = load("two", "llama-server")
+    argv = second.plan["argv"]
+    assert argv[argv.index("--threads") + 1] == "2", argv
+    assert "2 threads: its share of the node's 4 cores with 1 other llama.cpp backend on the CPU" in \
+        second.backend_reason
+    ModelInstance.objects.filter(pk=first.pk).update(gpus=[0])  # as if on a GPU: not on the CPU
+    stopped = load("three", "llama-cpp-python")
+    ModelInstance.objects.filter(pk=stopped.pk).update(state="STOPPED", desired_state="STOPPED")
+    ModelInstance.objects.filter(pk=first.pk).update(gpus=[])
+    fourth = load("four", "llama-cpp-python")
+    argv = fourth.plan["argv"]
+    assert argv[argv.index("--n_threads") + 1] == "1" and argv[argv.index("--n_threads_batch") + 1] == "1", argv
+    plan, _ = replan_instance(second, None)  # itself, "one" and "four" share the 4 cores: 4 // 3
+    assert plan.argv[plan.argv.index("--threads") + 1] == "1"
