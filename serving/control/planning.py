@@ -59,6 +59,7 @@ MODEL_SLOT = "{model}"
 PYTHON_SLOT = "{python}"
 KEY_FILE_SLOT = "{api_key_file}"
 SLOTS = (PORT_SLOT, MODEL_SLOT, PYTHON_SLOT, KEY_FILE_SLOT)
+CTX_FLAGS = ("--ctx-size", "--n_ctx", "--max-model-len")
 
 
 def adapter_slot(name: str) -> str:
@@ -66,7 +67,6 @@ def adapter_slot(name: str) -> str:
     `--lora-scaled PATH:SCALE,...`, vLLM's `<model>:<name>=PATH`): the agent fills in the file it
     copied into its cache."""
     return "{adapter:" + name + "}"
-CTX_FLAGS = ("--ctx-size", "--n_ctx", "--max-model-len")
 
 
 class LoadRefused(Exception):

@@ -218,6 +218,7 @@ def applied(engine: str, version: str, preset: dict | None) -> dict[str, object]
 def normalize_model_path(raw: object) -> str:
     """The key a preset is stored under: a store prefix as the store writes it (one trailing '/'
     dropped), or an absolute path as given; PresetInvalid for anything else."""
+    from hub.layout import LORA
     from hub.paths import InvalidPrefix, validate_prefix
 
     text = raw.strip() if isinstance(raw, str) else ""
@@ -231,7 +232,7 @@ def normalize_model_path(raw: object) -> str:
         prefix = validate_prefix(text)
     except InvalidPrefix as exc:
         raise PresetInvalid(str(exc)) from None
-    if prefix.startswith("lora/"):
+    if prefix.split("/", 1)[0] == LORA:
         raise PresetInvalid(f"{prefix} is a LoRA adapter: presets belong to the base model it loads with")
     return prefix
 
