@@ -306,6 +306,7 @@ print(json.dumps(ids))
         limited.wait_models({"usage-echo", "other-echo", "cb-one", "cb-two"})
         (ka, a), (kb, b) = new_key(limited), new_key(limited)
         spent: dict[tuple[int, str], float] = {}
+        sent: dict[tuple[int, str], int] = {}
         for key_id, key, model, n in ((ka, a, "cb-one", 3), (kb, b, "cb-one", 1), (kb, b, "cb-two", 3)):
             for _ in range(n):
                 t0 = time.perf_counter()
@@ -313,14 +314,20 @@ print(json.dumps(ids))
                                json={"model": model, "prompt": "once upon a time", "max_tokens": 32}, timeout=60)
                 assert r.status_code == 200, r.text
                 spent[(key_id, model)] = spent.get((key_id, model), 0.0) + time.perf_counter() - t0
+                sent[(key_id, model)] = sent.get((key_id, model), 0) + 1
         busy: dict[tuple[int, str], float] = {}
+        counted: dict[tuple[int, str], int] = {}
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline:
             for key_id in (ka, kb):
                 for row in httpx.get(f"{limited.url}/api/usage", headers=limited.auth,
                                      params={"group_by": "model", "key": key_id, "bucket": "day"}).json()["items"]:
                     busy[(key_id, row["model"])] = row["busy_seconds"]
-            if len(busy) == 3:
+                    counted[(key_id, row["model"])] = row["requests"]
+            # every request flushed: a row appears with the first flush (a clean CI run at 3855b2f read
+            # 0.0127 busy seconds for key a, before all 3 of its requests were in; the chargeback read
+            # later charged 0.056 GPU-seconds on 2 GPUs, 0.028 s each)
+            if counted == sent:
                 break
             time.sleep(0.3)
         assert set(busy) == set(spent)
