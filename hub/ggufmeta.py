@@ -34,7 +34,7 @@ class _Damaged(Exception):
 
 
 class _Cursor:
-    def __init__(self, buf: mmap.mmap, order: str) -> None:
+    def __init__(self, buf: bytes | mmap.mmap, order: str) -> None:
         self.buf, self.order, self.pos, self.size = buf, order, 0, len(buf)
 
     def take(self, code: str, size: int) -> Any:
@@ -95,38 +95,47 @@ def read_metadata(path: Path | str, keys: Iterable[str], *, also: Any = None) ->
     `also(found) -> Iterable[str]`, when given, names more keys once some are known (the
     architecture's own keys once `general.architecture` is read). {} when the file is not GGUF.
     """
-    wanted = set(keys)
-    found: dict[str, Any] = {}
     if not os.path.isfile(path):  # a FIFO would block the open, a directory has no header
         return {}
     try:
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-            if buf[:4] != MAGIC:
-                return {}
-            order = "<"
-            version = struct.unpack_from("<I", buf, 4)[0]
-            if version & 0xFFFF == 0:  # written big-endian: a small version reads huge the other way
-                order, version = ">", struct.unpack_from(">I", buf, 4)[0]
-            if version not in (2, 3):
-                return {}
-            cursor = _Cursor(buf, order)
-            cursor.pos = 8
-            cursor.take("Q", 8)  # tensor count
-            n_kv = cursor.take("Q", 8)
-            for _ in range(n_kv):
-                if wanted and wanted.issubset(found):
-                    break
-                key = cursor.string(MAX_KEY_BYTES).decode("utf-8", "replace")
-                kind = cursor.take("I", 4)
-                keep = key in wanted
-                value = cursor.value(kind, keep=keep)
-                if keep and value is not None:
-                    found[key] = value
-                    if also is not None:
-                        wanted |= set(also(found))
-    except (OSError, ValueError, _Damaged, struct.error):
-        pass  # what was read before the damage stands
+            return read_metadata_from(buf, keys, also=also)
+    except (OSError, ValueError):
+        return {}
+
+
+def read_metadata_from(buf: bytes | mmap.mmap, keys: Iterable[str], *, also: Any = None) -> dict[str, Any]:
+    """read_metadata over a GGUF file's first bytes (a ranged read of a stored model): what they
+    hold of `keys`; a buffer that ends inside the header gives what was read before its end."""
+    wanted = set(keys)
+    found: dict[str, Any] = {}
+    try:
+        if buf[:4] != MAGIC or len(buf) < 24:
+            return {}
+        order = "<"
+        version = struct.unpack_from("<I", buf, 4)[0]
+        if version & 0xFFFF == 0:  # written big-endian: a small version reads huge the other way
+            order, version = ">", struct.unpack_from(">I", buf, 4)[0]
+        if version not in (2, 3):
+            return {}
+        cursor = _Cursor(buf, order)
+        cursor.pos = 8
+        cursor.take("Q", 8)  # tensor count
+        n_kv = cursor.take("Q", 8)
+        for _ in range(n_kv):
+            if wanted and wanted.issubset(found):
+                break
+            key = cursor.string(MAX_KEY_BYTES).decode("utf-8", "replace")
+            kind = cursor.take("I", 4)
+            keep = key in wanted
+            value = cursor.value(kind, keep=keep)
+            if keep and value is not None:
+                found[key] = value
+                if also is not None:
+                    wanted |= set(also(found))
+    except (ValueError, _Damaged, struct.error):
+        pass  # what was read before the damage (or the buffer's end) stands
     return found
 
 
-__all__ = ["read_metadata"]
+__all__ = ["read_metadata", "read_metadata_from"]

@@ -26,6 +26,10 @@ class ModelArtifact(models.Model):
     source_repo = models.CharField(max_length=255, blank=True)
     source_revision = models.CharField(max_length=64, blank=True)
     indexed_at = models.DateTimeField(default=timezone.now)
+    # A GGUF's architecture keys (layers, width, heads, trained context) read from the store once,
+    # with the file and ETag they came from: the load sizes the KV cache and the context from them
+    # (serving.control.planning.source_header); a file replaced since is read again.
+    gguf_header = models.JSONField(default=dict, blank=True)
 
     class Meta:
         ordering = ["prefix"]

@@ -305,6 +305,11 @@ class ModelStore(ABC):
         """Read a small object; ObjectMissing if absent."""
 
     @abstractmethod
+    def get_head(self, key: str, length: int) -> bytes:
+        """The first `length` bytes of an object (all of a shorter one), in one ranged request;
+        ObjectMissing if absent."""
+
+    @abstractmethod
     def stream_to(self, key: str, fh: BinaryIO, *, on_chunk: Callable[[bytes], None]) -> str:
         """Copy an object into `fh` with ONE request, calling on_chunk per chunk; returns its ETag."""
 
@@ -634,10 +639,17 @@ class MinioModelStore(ModelStore):
         return StoreObject(key=key, size=len(data), etag=(result.etag or "").strip('"'))
 
     def get_bytes(self, key: str) -> bytes:
+        return self._read(key)
+
+    def get_head(self, key: str, length: int) -> bytes:
+        return self._read(key, length=max(1, length))
+
+    def _read(self, key: str, length: int = 0) -> bytes:
+        """An object's bytes (its first `length` when given: a ranged GET), in one request."""
         self._ensure_bucket()
         response = None
         try:
-            response = self.client.get_object(self.bucket, key)
+            response = self.client.get_object(self.bucket, key, offset=0, length=length)
             return response.read()
         except Exception as exc:
             raise self._wrap(exc, key) from exc
@@ -821,6 +833,13 @@ class FilesystemModelStore(ModelStore):
     def get_bytes(self, key: str) -> bytes:
         try:
             return self._path(key).read_bytes()
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            raise ObjectMissing(f"{key} is not in the store") from None
+
+    def get_head(self, key: str, length: int) -> bytes:
+        try:
+            with open(self._path(key), "rb") as f:
+                return f.read(max(1, length))
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
             raise ObjectMissing(f"{key} is not in the store") from None
 

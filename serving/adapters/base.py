@@ -86,6 +86,10 @@ class LaunchSpec:
     # included, when it runs on the CPU (each then gets its share of threads: `cpu_threads`).
     cpu_cores: int = 0
     cpu_backends: int = 1
+    # The context the console chose where the load sets none (serving.control.planning.choose_context:
+    # the model's trained context, or less where its KV cache would not fit), and the verdict's words.
+    context: int = 0
+    context_reason: str = ""
 
     @property
     def is_embedding(self) -> bool:
@@ -148,6 +152,11 @@ class BackendAdapter:
     # The kinds of model (server_type) it can serve; selection skips it for the others.
     server_types: ClassVar[frozenset[str]] = frozenset({"llm", "embedding"})
     supports_adapters: ClassVar[bool] = False  # LoRA adapters at start (LaunchSpec.adapters)
+    # The flag that sets the context, where the console chooses it when the load does not ("": the
+    # engine's own default stands). llama.cpp's default is the model's trained context (128k tokens
+    # of KV cache for many models), and on a GPU it shrinks it to take all free memory but 1 GiB
+    # (`--fit on`); the plan's estimate must be what the engine allocates.
+    context_flag: ClassVar[str] = ""
 
     def serves(self, path: str, version: str = "") -> bool:
         """Whether the proxy may send `path` to this server (one of its inference routes)."""
@@ -175,6 +184,13 @@ class BackendAdapter:
         """The argv the console adds for many users at once where the load sets none of it (issue
         28 #2), and why, for the verdict; ([], "") where the engine's own defaults stand."""
         return [], ""
+
+    def context_argv(self, spec: LaunchSpec) -> tuple[list[str], str]:
+        """`context_flag N` and why, for the context the plan chose (LaunchSpec.context)."""
+        ctx_flags = {"--ctx-size", "-c", "--n_ctx", "--max-model-len"}
+        if not spec.context or not self.context_flag or ctx_flags & self.checked_extra_args(spec).keys():
+            return [], ""
+        return [self.context_flag, str(spec.context)], spec.context_reason
 
     @staticmethod
     def cpu_threads(spec: LaunchSpec) -> int | None:

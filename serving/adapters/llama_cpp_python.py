@@ -34,6 +34,7 @@ FLAGS = {
 
 class LlamaCppPythonServer(BackendAdapter):
     name = "llama-cpp-python"
+    context_flag = "--n_ctx"  # its own default is 2,048 tokens, whatever the model was trained for
     label = "llama-cpp-python"
     formats = ("gguf",)
     health_path = "/v1/models"
@@ -55,12 +56,15 @@ class LlamaCppPythonServer(BackendAdapter):
         return {"API_KEY": secret}
 
     def serving_defaults(self, spec: LaunchSpec) -> tuple[list[str], str]:
-        """On a CPU that other llama.cpp backends share, its share of the cores (BackendAdapter.cpu_threads)
-        for generation and prompt processing alike, unless the load sets either."""
+        """The context the plan chose (BackendAdapter.context_argv); on a CPU that other llama.cpp
+        backends share, its share of the cores (BackendAdapter.cpu_threads) for generation and prompt
+        processing alike, unless the load sets either."""
+        argv, why = self.context_argv(spec)
         threads = self.cpu_threads(spec)
         if not threads or {"--n_threads", "--n_threads_batch"} & self.checked_extra_args(spec).keys():
-            return [], ""
-        return ["--n_threads", str(threads), "--n_threads_batch", str(threads)], self.threads_reason(spec, threads)
+            return argv, why
+        return (argv + ["--n_threads", str(threads), "--n_threads_batch", str(threads)],
+                "; ".join(filter(None, (why, self.threads_reason(spec, threads)))))
 
     def build_command(self, spec: LaunchSpec) -> list[str]:
         cmd = [

@@ -81,7 +81,7 @@ def start_memory(inst: ModelInstance) -> StartMemory:
     recorded by another instance, else its estimate."""
     from django.utils.timesince import timesince
 
-    from serving.control.planning import load_ctx, stored_plan
+    from serving.control.planning import plan_ctx, stored_plan
     from serving.models import MemoryMeasurement
 
     estimate = int(inst.estimated_memory_mib or 0)
@@ -91,7 +91,7 @@ def start_memory(inst: ModelInstance) -> StartMemory:
     plan = stored_plan(inst)
     if plan is not None:
         m = MemoryMeasurement.objects.filter(
-            model_path=plan.model_path, backend=f"{plan.backend} ({plan.flavour})", ctx=load_ctx(inst.extra_args),
+            model_path=plan.model_path, backend=f"{plan.backend} ({plan.flavour})", ctx=plan_ctx(plan, inst.extra_args),
             tensor_parallel_size=plan.tensor_parallel_size).first()
         if m is not None:
             ago = timesince(m.measured_at).split(",")[0]

@@ -65,9 +65,22 @@ def gguf_header(path: Path) -> dict:
     vocabulary first: 4.1-4.7 s on the demo model, on every load)."""
     from hub.ggufmeta import read_metadata
 
-    meta = read_metadata(path, ["general.architecture"],
-                         also=lambda found: [f"{found['general.architecture']}.{k}" for k in ARCH_KEYS.values()]
-                         if "general.architecture" in found else [])
+    return _arch_header(read_metadata(path, ["general.architecture"], also=_arch_keys))
+
+
+def gguf_header_from(buf: bytes) -> dict:
+    """gguf_header over a GGUF file's first bytes (a ranged read of the store's copy)."""
+    from hub.ggufmeta import read_metadata_from
+
+    return _arch_header(read_metadata_from(buf, ["general.architecture"], also=_arch_keys))
+
+
+def _arch_keys(found: dict) -> list[str]:
+    arch = found.get("general.architecture")
+    return [f"{arch}.{k}" for k in ARCH_KEYS.values()] if arch else []
+
+
+def _arch_header(meta: dict) -> dict:
     if not meta:
         return {}
     arch = str(meta.get("general.architecture") or "llama")
@@ -75,10 +88,20 @@ def gguf_header(path: Path) -> dict:
     return {k: v for k, v in out.items() if v is not None}
 
 
+def has_kv_shape(head: dict) -> bool:
+    """Whether a header says enough to size the KV cache (layers, width, trained context)."""
+    return all(isinstance(head.get(k), int) and head[k] > 0 for k in ("n_layers", "n_embd", "ctx"))
+
+
 def estimate_gguf(path: Path, *, ctx: int | None = None) -> MemoryEstimate:
     """File size + KV cache (f16) for the context + overhead."""
-    weights = int(path.stat().st_size / MIB) + 1
-    head = gguf_header(path)
+    return estimate_gguf_head(gguf_header(path), int(path.stat().st_size / MIB) + 1, ctx=ctx)
+
+
+def estimate_gguf_head(head: dict, weights_mib: int, *, ctx: int | None = None) -> MemoryEstimate:
+    """Weights + KV cache (f16) for `ctx` (default: the model's context up to DEFAULT_CTX) + overhead,
+    from a GGUF header read on this disk or from the store."""
+    weights = weights_mib
     # llama.cpp allocates the KV cache for the context asked for, even beyond the trained one.
     n_ctx = ctx or min(DEFAULT_CTX, int(head.get("ctx") or DEFAULT_CTX))
     kv = 0
@@ -120,11 +143,15 @@ def estimate_from_size(size_bytes: int) -> MemoryEstimate:
                           f"store size {gib(weights)} + ~15% KV cache + overhead {gib(RUNTIME_OVERHEAD_MIB)}")
 
 
-def estimate_memory(path: Path | None, *, fmt: str, size_bytes: int = 0, ctx: int | None = None) -> MemoryEstimate:
-    """The best estimate available: from the files when they are here, else from the store size."""
+def estimate_memory(path: Path | None, *, fmt: str, size_bytes: int = 0, ctx: int | None = None,
+                    header: dict | None = None) -> MemoryEstimate:
+    """The best estimate available: from the files when they are here, else from a GGUF's header
+    read from the store (`header`) and its size, else from the store size alone."""
     try:
         if path is not None and fmt == "gguf" and path.is_file():
             return estimate_gguf(path, ctx=ctx)
+        if fmt == "gguf" and header and has_kv_shape(header) and size_bytes:
+            return estimate_gguf_head(header, int(size_bytes / MIB) + 1, ctx=ctx)
         if path is not None and fmt == "huggingface" and (path / "config.json").is_file():
             return estimate_hf_dir(path, ctx=ctx)
     except (OSError, ValueError, KeyError, TypeError):
@@ -162,6 +189,24 @@ def gpu_rooms(node: Node, *, exclude_instance: int | None = None, evictable_free
         GpuRoom(g.index, max(0, int(g.memory_free_mib - reserved.get(g.index, 0))), g.memory_total_mib)
         for g in GpuDevice.objects.filter(node=node).order_by("index")
     ]
+
+
+def ram_room(node: Node, *, exclude_instance: int | None = None) -> int | None:
+    """RAM a model on the node's CPU may take (None: the node reports none), counted as gpu_rooms
+    counts a GPU's: available now, less what loading CPU instances claimed, plus what unpinned
+    on_demand READY ones hold (a start evicts them); within XGEN_NODE_MEMORY_MIB less what the
+    node's other models hold, when the node sets it."""
+    others = ModelInstance.objects.filter(node=node).exclude(pk=exclude_instance)
+    on_cpu = [i for i in others.filter(state__in=RESERVING_STATES + (InstanceState.READY,)) if not i.gpus]
+    loading = sum(i.memory_mib for i in on_cpu if i.state != InstanceState.READY)
+    evictable = sum(i.memory_mib for i in on_cpu
+                    if i.state == InstanceState.READY and i.policy == "on_demand" and not i.pinned)
+    room = node.memory_total_mib - node.memory_used_mib - loading + evictable if node.memory_total_mib else None
+    if node.model_memory_mib:
+        held = sum(i.memory_mib for i in on_cpu) - evictable
+        cap = node.model_memory_mib - held
+        room = cap if room is None else min(room, cap)
+    return max(0, room) if room is not None else None
 
 
 def assign_gpus(*, node_name: str, gpus: list[GpuRoom], need_mib: int, requested: list[int] | None,

@@ -38,8 +38,12 @@ from serving.control.placement import (
     bind_host,
     choose_node,
     estimate_memory,
+    gguf_header,
+    gguf_header_from,
     gib,
     gpu_rooms,
+    has_kv_shape,
+    ram_room,
 )
 from serving.control.selection import (
     CPU,
@@ -90,6 +94,7 @@ class ModelSource:
     local_path: Path | None  # a file or dir readable here (for the estimate), if any
     artifact: ModelArtifact | None
     size_bytes: int
+    header: dict = field(default_factory=dict)  # a GGUF's architecture keys (placement.gguf_header), if known
 
 
 def _validate_prefix(prefix: str) -> str:
@@ -127,11 +132,45 @@ def resolve_source(model_path: str, *, on_this_node: bool) -> ModelSource:
     if artifact is not None:
         if not artifact.complete:
             raise LoadRefused(409, f"{prefix} is still being written to the store; try again when it is complete")
-        return ModelSource(prefix, "prefix", artifact.format, None, artifact, artifact.size_bytes)
+        header = stored_gguf_header(prefix, artifact.files, artifact.gguf_header) if artifact.format == layout.GGUF else {}
+        if header and header != artifact.gguf_header:
+            ModelArtifact.objects.filter(pk=artifact.pk).update(gguf_header=header)
+        return ModelSource(prefix, "prefix", artifact.format, None, artifact, artifact.size_bytes, header)
     manifest = _store_manifest(prefix)  # not indexed yet: the store is the source of truth
     if manifest is None:
         raise LoadRefused(400, f"no model {prefix!r} in the store (see /api/storage/models)", code="model_not_found")
-    return ModelSource(prefix, "prefix", prefix.split("/", 1)[0], None, None, manifest.size_bytes)
+    fmt = prefix.split("/", 1)[0]
+    files = [{"path": f.path, "size": f.size, "etag": f.etag} for f in manifest.files]
+    header = stored_gguf_header(prefix, files, None) if fmt == layout.GGUF else {}
+    return ModelSource(prefix, "prefix", fmt, None, None, manifest.size_bytes, header)
+
+
+HEAD_READS = (256 * 1024, 16 * 1024 * 1024)  # a GGUF's architecture keys come before its vocabulary
+
+
+def stored_gguf_header(prefix: str, files: list[dict], cached: dict | None) -> dict:
+    """The architecture keys of the GGUF a store model loads (placement.gguf_header), with the file
+    and ETag they were read from: `cached` when it was read from the same file, else one ranged
+    read of its first 256 KiB (16 MiB when the keys come later). {} when the store cannot be read
+    or the file holds no such keys: the estimate then falls back to the model's size."""
+    rel = layout.pick_gguf((str(f.get("path", "")), int(f.get("size") or 0)) for f in files or ())
+    if rel is None:
+        return {}
+    etag = next((str(f.get("etag") or "") for f in files if f.get("path") == rel), "")
+    if cached and cached.get("file") == rel and cached.get("etag") == etag:
+        return cached
+    from hub.store import get_store
+
+    head: dict = {}
+    try:
+        store = get_store()
+        for length in HEAD_READS:
+            head = gguf_header_from(store.get_head(f"{prefix}/{rel}", length))
+            if has_kv_shape(head):
+                break
+    except Exception:  # noqa: BLE001 - a store that cannot be read leaves the size-based estimate
+        return {}
+    return {**head, "file": rel, "etag": etag} if has_kv_shape(head) else {}
 
 
 def check_load_path_or_refuse(raw: str) -> LoadSource:
@@ -189,6 +228,7 @@ class LaunchPlan:
     fell_back_from: str = ""  # the backend that failed first (a plan falls back once)
     adapters: tuple[dict, ...] = ()  # LoRA adapters ({name, path, scale}) in the argv (issue 27)
     preset: dict | None = None  # the engine preset applied ({name, settings}, issue 27 #3) and its flags
+    context: int = 0  # the context it runs with (the load's, or the one the console chose); 0: the engine's default
 
     @property
     def is_embedding(self) -> bool:
@@ -333,29 +373,55 @@ def make_launch_plan(*, node: Node, source: ModelSource, model_name: str, server
     if tp < 1 or tp > 64:
         raise LoadRefused(400, "tensor_parallel_size must be 1..64")
     ctx = next((run_args[f] for f in CTX_FLAGS if run_args.get(f)), None)
-    estimate = estimate_memory(source.local_path, fmt=source.fmt, size_bytes=source.size_bytes,
-                               ctx=int(ctx) if ctx else None)
-    estimate = with_measurement(estimate, model_path=source.model_path, backend=f"{choice.backend} ({choice.flavour})",
-                                ctx=int(ctx) if ctx else 0, tensor_parallel_size=tensor_parallel_size or 1)
-    if placed_gpus is not None:
-        chosen = list(placed_gpus) if choice.uses_gpu else []
-        where = f"GPU {', '.join(map(str, chosen))} of {node.name}" if chosen else f"the CPU of {node.name}"
-        fit = f"runs on {where} (as recorded): needs ~{gib(estimate.total_mib)}"
-    elif choice.uses_gpu:
-        try:
-            # Unpinned on_demand models in the way count as room: the start evicts them (serving.control.capacity).
-            rooms = [r for r in gpu_rooms(node, evictable_free=True) if r.index not in avoid_gpus]
-            if avoid_gpus and not rooms:
-                raise PlacementError(f"every GPU of {node.name} holds a replica of {model_name} already")
-            chosen, fit = assign_gpus(node_name=node.name, gpus=rooms,
-                                      need_mib=estimate.total_mib,
-                                      requested=gpus or None, tensor_parallel_size=tp)
-        except PlacementError as exc:
-            raise LoadRefused(409, str(exc), code="does_not_fit") from None
-    else:
-        if gpus:
+    header = source.header or model_header(source)
+    # The contexts to try, largest first: the load's own, else (an engine whose default the
+    # console replaces) the model's trained context and the powers of two below it down to 4,096.
+    contexts: list[int | None] = [int(ctx)] if ctx else (context_choices(header) if adapter.context_flag else [])
+    contexts = contexts or [None]
+
+    def estimate_at(n_ctx: int | None) -> MemoryEstimate:
+        est = estimate_memory(source.local_path, fmt=source.fmt, size_bytes=source.size_bytes, ctx=n_ctx,
+                              header=header)
+        return with_measurement(est, model_path=source.model_path, backend=f"{choice.backend} ({choice.flavour})",
+                                ctx=n_ctx or 0, tensor_parallel_size=tensor_parallel_size or 1)
+
+    too_big = ""  # why the model's whole context was not taken (the verdict says it)
+    if placed_gpus is not None or not choice.uses_gpu:
+        if not choice.uses_gpu and gpus:
             raise LoadRefused(400, f"{choice.backend} ({choice.flavour}) runs on the CPU; do not pick GPUs")
-        chosen, fit = [], f"runs on the CPU of {node.name}: needs ~{gib(estimate.total_mib)} of RAM"
+        chosen = list(placed_gpus or []) if choice.uses_gpu else []
+        room = _room_mib(node, chosen, instance_id)
+        for n_ctx in contexts:
+            estimate = estimate_at(n_ctx)
+            if room is None or estimate.total_mib <= room:
+                break
+            too_big = too_big or (f"needs ~{gib(estimate.total_mib)}, more than the "
+                                  f"{gib(room)} free {'on its GPUs' if chosen else 'in RAM'} of {node.name}")
+        if placed_gpus is not None:
+            where = f"GPU {', '.join(map(str, chosen))} of {node.name}" if chosen else f"the CPU of {node.name}"
+            fit = f"runs on {where} (as recorded): needs ~{gib(estimate.total_mib)}"
+        else:
+            fit = f"runs on the CPU of {node.name}: needs ~{gib(estimate.total_mib)} of RAM"
+    else:
+        # Unpinned on_demand models in the way count as room: the start evicts them (serving.control.capacity).
+        rooms = [r for r in gpu_rooms(node, evictable_free=True) if r.index not in avoid_gpus]
+        if avoid_gpus and not rooms:
+            raise LoadRefused(409, f"every GPU of {node.name} holds a replica of {model_name} already",
+                              code="does_not_fit")
+        for n_ctx in contexts:
+            estimate = estimate_at(n_ctx)
+            try:
+                chosen, fit = assign_gpus(node_name=node.name, gpus=rooms, need_mib=estimate.total_mib,
+                                          requested=gpus or None, tensor_parallel_size=tp)
+                break
+            except PlacementError as exc:
+                if n_ctx == contexts[-1]:
+                    least = f" (with a context of {n_ctx:,} tokens, the least the console sets)" \
+                        if len(contexts) > 1 else ""
+                    raise LoadRefused(409, f"{exc}{least}", code="does_not_fit") from None
+                too_big = too_big or str(exc)
+    chosen_ctx = n_ctx if not ctx else None
+    context_reason = _context_reason(chosen_ctx, header, too_big) if chosen_ctx else ""
     # The node's GPU type also on a CPU placement: the backend is then told to see no GPU.
     gpu_type = "" if node_type == CPU else node_type
     spec = LaunchSpec(
@@ -364,6 +430,7 @@ def make_launch_plan(*, node: Node, source: ModelSource, model_name: str, server
         executable=choice.path, python=PYTHON_SLOT, tensor_parallel_size=tp, extra_args=run_args,
         extra_args_checked=True, api_key_file=KEY_FILE_SLOT, cpu_cores=node.cpu_count or 0,
         cpu_backends=1 + (0 if chosen else cpu_backends_on(node, besides=instance_id)),
+        context=chosen_ctx or 0, context_reason=context_reason,
         adapters=tuple((a["name"], adapter_slot(a["name"]) if is_stored(a) else a["path"], float(a.get("scale", 1.0)))
                        for a in adapters or ()),
     )
@@ -372,11 +439,54 @@ def make_launch_plan(*, node: Node, source: ModelSource, model_name: str, server
         backend=choice.backend, flavour=choice.flavour, version=choice.version, executable=choice.path,
         gpu_type=gpu_type, gpus=tuple(chosen), tensor_parallel_size=tp, argv=tuple(adapter.build_command(spec)),
         env=adapter.env_additions(spec), host=spec.host, estimate_mib=estimate.total_mib,
-        estimate_detail=estimate.detail, fit=fit, adapters=tuple(adapters or ()),
+        estimate_detail=estimate.detail, fit=fit, adapters=tuple(adapters or ()), context=n_ctx or 0,
         reason="; ".join(filter(None, (choice.reason, adapter.serving_defaults(spec)[1]))),
         preset={**preset, "flags": preset_flags} if preset else None,
     )
     return plan, estimate, extra
+
+
+def model_header(source: ModelSource) -> dict:
+    """A GGUF's architecture keys read from its file on this disk ({} for anything else)."""
+    path = source.local_path
+    if source.fmt != layout.GGUF or path is None or not path.is_file():
+        return {}
+    head = gguf_header(path)
+    return head if has_kv_shape(head) else {}
+
+
+MIN_CHOSEN_CTX = 4096  # llama.cpp's own floor when it shrinks a context to fit (--fit-ctx)
+
+
+def context_choices(header: dict) -> list[int]:
+    """The contexts the console tries for a GGUF, largest first: the model's trained context, then
+    the powers of two below it down to MIN_CHOSEN_CTX ([] when the header does not say)."""
+    if not has_kv_shape(header):
+        return []
+    trained = int(header["ctx"])
+    out = [trained]
+    step = 1 << (trained - 1).bit_length() - 1 if trained > 1 else 0  # the largest power of two below it
+    while step >= MIN_CHOSEN_CTX:
+        if step < trained:
+            out.append(step)
+        step //= 2
+    return out
+
+
+def _room_mib(node: Node, gpus: list[int], instance_id: int | None) -> int | None:
+    """Memory a model may take where it runs (None: unknown): free on `gpus`, else in the node's RAM."""
+    if gpus:
+        rooms = [r.free_mib for r in gpu_rooms(node, exclude_instance=instance_id, evictable_free=True)
+                 if r.index in gpus]
+        return sum(rooms) if rooms else None
+    return ram_room(node, exclude_instance=instance_id)
+
+
+def _context_reason(n_ctx: int, header: dict, too_big: str) -> str:
+    trained = int(header.get("ctx") or 0)
+    if n_ctx == trained or not too_big:
+        return f"context {n_ctx:,} tokens, the model's own"
+    return f"context {n_ctx:,} tokens of the model's {trained:,}: with all of them it {too_big}"
 
 
 def _gpu_type_of(node: Node) -> str:
@@ -518,6 +628,12 @@ def load_ctx(extra_args: dict | None) -> int:
         return 0
 
 
+def plan_ctx(plan: LaunchPlan, extra_args: dict | None) -> int:
+    """The context a plan runs with, as memory measurements are keyed: the one it recorded, else
+    (a plan made before it recorded one) the load's own (0: the engine's default)."""
+    return plan.context or load_ctx(extra_args)
+
+
 def with_measurement(estimate: MemoryEstimate, *, model_path: str, backend: str, ctx: int,
                      tensor_parallel_size: int) -> MemoryEstimate:
     """The measured figure of the same load shape in place of the estimate, when one was recorded."""
@@ -544,7 +660,7 @@ def record_measurement(instance_id: int, *, plan: LaunchPlan, extra_args: dict, 
 
     ModelInstance.objects.filter(pk=instance_id).update(measured_memory_mib=measured_mib, measured_source=source)
     MemoryMeasurement.objects.update_or_create(
-        model_path=plan.model_path, backend=f"{plan.backend} ({plan.flavour})", ctx=load_ctx(extra_args),
+        model_path=plan.model_path, backend=f"{plan.backend} ({plan.flavour})", ctx=plan_ctx(plan, extra_args),
         tensor_parallel_size=plan.tensor_parallel_size,
         defaults={"measured_mib": measured_mib, "source": source, "node_name": node_name,
                   "measured_at": timezone.now()})

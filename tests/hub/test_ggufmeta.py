@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hub.ggufmeta import read_metadata
+from hub.ggufmeta import read_metadata, read_metadata_from
 from serving.control.placement import gguf_header
 
 
@@ -116,6 +116,9 @@ def test_damaged_and_foreign_files_answer_what_could_be_read(tiny_gguf, tmp_path
         part.write_bytes(data[:cut])
         got = read_metadata(part, want)
         assert all(got[k] == want[k] for k in got), cut  # a prefix of the truth, never an invented value
+        # The same from the bytes alone (a ranged read of the store's copy): what they hold, no more.
+        assert read_metadata_from(data[:cut], want) == got, cut
+    assert read_metadata_from(data, want) == want
     (tmp_path / "text.gguf").write_text("not a model")
     assert read_metadata(tmp_path / "text.gguf", ["general.architecture"]) == {}
     assert read_metadata(tmp_path / "missing.gguf", ["general.architecture"]) == {}

@@ -165,6 +165,11 @@ def test_streams_and_small_objects(store, tmp_path):
     assert (tmp_path / "out").read_bytes() == b"hello world" and b"".join(chunks) == b"hello world" and etag
     with pytest.raises(ObjectMissing):
         store.get_bytes("gguf/s/missing")
+    # A ranged read of an object's start (a GGUF's header): the bytes asked for, all of a shorter one.
+    assert store.get_head("gguf/s/a.gguf", 5) == b"hello"
+    assert store.get_head("gguf/s/a.gguf", 1 << 20) == b"hello world"
+    with pytest.raises(ObjectMissing):
+        store.get_head("gguf/s/missing", 5)
     with pytest.raises(ObjectMissing), open(tmp_path / "o2", "wb") as fh:
         store.stream_to("gguf/s/missing", fh, on_chunk=chunks.append)
 

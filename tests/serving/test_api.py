@@ -32,7 +32,8 @@ def test_load_answers_202_with_the_choice(client: Client, node, operator, tiny_g
     assert (body["policy"], body["pinned"], body["max_concurrency"]) == ("always", False, None)
     assert body["state"] == "PENDING" and body["backend"] == "llama-cpp-python" and body["node"] == NODE
     assert body["gpus"] == [] and body["backend_reason"] == (
-        "GGUF on CPU-only -> llama-cpp-python (cpu): llama-server (cpu) is not installed on node-t (on node-t)")
+        "GGUF on CPU-only -> llama-cpp-python (cpu): llama-server (cpu) is not installed on node-t; "
+        "context 2,048 tokens, the model's own (on node-t)")
     one = client.get(f"/api/management/instances/{body['id']}", **bearer(operator.key)).json()
     for field in ("state", "error", "port", "pid", "restarts", "ready_at", "log_tail"):
         assert field in one
@@ -129,9 +130,10 @@ def test_gpu_node_places_and_refuses_with_numbers(client, node, operator, tiny_g
     r = post(client, "load", {"model_path": str(tiny_gguf), "model_name": "g"}, operator.key)
     assert r.status_code == 202, r.content
     assert r.json()["gpus"] == [1] and r.json()["backend"] == "llama-server"
-    assert r.json()["backend_reason"] == ("GGUF on NVIDIA -> llama-server (cuda); 16 slots sharing one KV cache of "
-                                          "the model's context, for many users at once (with llama-server's own 4, 12 "
-                                          "of 16 chats wait: TTFT p50 5.3 s against 2.4 s) (on node-t)")
+    assert r.json()["backend_reason"] == ("GGUF on NVIDIA -> llama-server (cuda); context 2,048 tokens, the model's "
+                                          "own; 16 slots sharing one KV cache of that context, for many users at once "
+                                          "(with llama-server's own 4, 12 of 16 chats wait: TTFT p50 5.3 s against "
+                                          "2.4 s) (on node-t)")
     GpuDevice.objects.filter(index=1).update(memory_used_mib=23900)
     e = err(post(client, "load", {"model_path": str(tiny_gguf), "model_name": "h"}, operator.key), 409)
     assert e["code"] == "does_not_fit"

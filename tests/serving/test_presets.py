@@ -159,8 +159,9 @@ def test_presets_are_saved_checked_and_applied_at_load(client, node, operator, v
     # A preset named; "none"; one the model lacks (404); one the chosen engine cannot take (400).
     r = load(client, operator.key, {"model_path": path, "model_name": "p2", "backend": "llama-server",
                                     "preset": "one"})
-    assert r.status_code == 202 and "--ctx-size" not in client.get(
-        f"/api/management/instances/{r.json()['id']}", **bearer(operator.key)).json()["command"]
+    assert r.status_code == 202
+    argv = client.get(f"/api/management/instances/{r.json()['id']}", **bearer(operator.key)).json()["command"]
+    assert argv[argv.index("--ctx-size") + 1] == "2048"  # not the default preset's 384: the model's own
     r = load(client, operator.key, {"model_path": path, "model_name": "p3", "backend": "llama-server",
                                     "preset": "none"})
     assert r.status_code == 202 and client.get(f"/api/management/instances/{r.json()['id']}",
@@ -212,7 +213,7 @@ def test_the_load_dialog_offers_the_models_presets(node, operator, tiny_gguf):
     assert 'name="preset"' in page and ">small (default)<" in page and ">tools<" in page
     verdict = web.get("/instances/new/verdict", {"model_path": str(tiny_gguf), "backend": "llama-server",
                                                  "node": node.name, "preset": "tools"}).content.decode()
-    assert "--jinja" in verdict and "--ctx-size" not in verdict
+    assert "--jinja" in verdict and "--ctx-size 384" not in verdict and "--ctx-size 2048" in verdict
     r = web.post("/instances/new/", {"model_path": str(tiny_gguf), "model_name": "d1", "backend": "llama-server",
                                      "server_type": "llm", "node": node.name, "policy": "always", "preset": "tools"})
     assert r.status_code == 302, r.content.decode()[:2000]

@@ -1,0 +1,169 @@
+"""The context a llama.cpp backend runs with is the console's choice, and the estimate is for it.
+
+llama-server's own default is the model's trained context (and on a GPU it shrinks that to take
+all free memory but 1 GiB); llama-cpp-python's is 2,048 tokens whatever the model. The plan sets
+the context: the model's own where its KV cache fits, else the largest power of two below it that
+fits (down to 4,096), and says so in the verdict. The tiny model's KV cache is 512 bytes a token
+(2 layers, 64 wide, f16 K and V), so a trained context of 1,048,576 tokens holds 512 MiB of it.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from serving.control.planning import LoadRefused, context_choices, plan_load
+from tests.serving.conftest import NODE, node_backends, set_backends
+
+pytestmark = pytest.mark.django_db
+
+LLAMA_SERVER_CUDA = {"name": "llama-server", "available": True, "version": "b6500", "flavour": "cuda",
+                     "path": "/opt/llama-server", "reason": ""}
+MILLION = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def long_gguf(tmp_path_factory) -> Path:
+    from hub.demo import write_tiny_llama_gguf
+
+    return write_tiny_llama_gguf(tmp_path_factory.mktemp("long") / "long.gguf", n_ctx=MILLION)
+
+
+def _flag(argv, flag):
+    return argv[argv.index(flag) + 1] if flag in argv else None
+
+
+def _gpu_node(node, free_mib: int):
+    from hardware.models import GpuDevice
+
+    node.backends = [LLAMA_SERVER_CUDA]
+    node.save()
+    GpuDevice.objects.create(node=node, index=0, vendor="NVIDIA", type="NVIDIA", name="L4",
+                             memory_total_mib=24000, memory_used_mib=24000 - free_mib)
+
+
+def test_the_contexts_tried_are_the_models_own_then_powers_of_two_down_to_4096():
+    assert context_choices({"n_layers": 2, "n_embd": 64, "ctx": 2048}) == [2048]
+    assert context_choices({"n_layers": 2, "n_embd": 64, "ctx": 4096}) == [4096]
+    assert context_choices({"n_layers": 2, "n_embd": 64, "ctx": 5000}) == [5000, 4096]
+    assert context_choices({"n_layers": 2, "n_embd": 64, "ctx": 131072}) == [131072, 65536, 32768, 16384, 8192, 4096]
+    assert context_choices({"n_layers": 2, "n_embd": 64}) == []  # the header does not say: the engine's default
+    assert context_choices({}) == []
+
+
+def test_a_cpu_plan_sets_the_models_own_context(node, tiny_gguf):
+    launch = plan_load(model_path=str(tiny_gguf), model_name="own").launch
+    assert launch.backend == "llama-cpp-python"
+    assert _flag(launch.argv, "--n_ctx") == "2048"  # its own default would be 2,048 whatever the model
+    assert launch.context == 2048 and "context 2,048 tokens, the model's own" in launch.reason
+    assert "KV cache 0.0 GiB for 2048 tokens" in launch.estimate_detail
+
+
+def test_on_a_gpu_the_largest_context_that_fits_is_chosen_and_said(node, long_gguf):
+    _gpu_node(node, free_mib=800)  # 512 MiB overhead + 1 MiB weights: 287 MiB left for the KV cache
+    launch = plan_load(model_path=str(long_gguf), model_name="long").launch
+    assert launch.backend == "llama-server" and launch.gpus == (0,)
+    assert _flag(launch.argv, "--ctx-size") == str(MILLION // 2) and launch.context == MILLION // 2
+    assert launch.estimate_mib <= 800 and f"for {MILLION // 2} tokens" in launch.estimate_detail
+    assert "context 524,288 tokens of the model's 1,048,576: with all of them it needs ~1.0 GiB" in launch.reason
+    assert "largest free is 0.8 GiB on gpu 0" in launch.reason
+
+
+def test_a_gpu_with_room_for_the_whole_context_gets_it(node, long_gguf):
+    _gpu_node(node, free_mib=2000)
+    launch = plan_load(model_path=str(long_gguf), model_name="long").launch
+    assert _flag(launch.argv, "--ctx-size") == str(MILLION)
+    assert f"context {MILLION:,} tokens, the model's own" in launch.reason
+    assert launch.estimate_mib == 512 + 512 + 1  # KV + overhead + the 0.6 MB file, rounded up
+
+
+def test_a_gpu_without_room_for_the_least_context_refuses_with_the_numbers(node, long_gguf):
+    from serving.models import ModelInstance
+
+    _gpu_node(node, free_mib=400)
+    with pytest.raises(LoadRefused) as refused:
+        plan_load(model_path=str(long_gguf), model_name="long")
+    assert refused.value.status == 409 and refused.value.code == "does_not_fit"
+    assert "largest free is 0.4 GiB" in refused.value.message
+    assert "with a context of 4,096 tokens, the least the console sets" in refused.value.message
+    assert not ModelInstance.objects.exists()
+
+
+def test_the_loads_own_context_wins_and_is_not_fitted(node, long_gguf):
+    _gpu_node(node, free_mib=2000)
+    launch = plan_load(model_path=str(long_gguf), model_name="long", extra_args={"--ctx-size": "8192"}).launch
+    assert launch.argv.count("--ctx-size") == 1 and _flag(launch.argv, "--ctx-size") == "8192"
+    assert launch.context == 8192 and "tokens, the model's own" not in launch.reason
+    assert "for 8192 tokens" in launch.estimate_detail
+
+
+def test_ram_bounds_the_context_on_a_cpu(node, long_gguf):
+    from hardware.models import Node
+
+    Node.objects.filter(pk=node.pk).update(memory_total_mib=64000, memory_used_mib=64000 - 700)
+    launch = plan_load(model_path=str(long_gguf), model_name="long").launch
+    assert launch.backend == "llama-cpp-python" and launch.gpus == ()
+    assert _flag(launch.argv, "--n_ctx") == str(MILLION // 4)  # 128 MiB of KV: 641 MiB of 700 free
+    assert "more than the 0.7 GiB free in RAM of node-t" in launch.reason
+    # What the node offers to models (XGEN_NODE_MEMORY_MIB) bounds it as well.
+    Node.objects.filter(pk=node.pk).update(memory_used_mib=0, model_memory_mib=600)
+    launch = plan_load(model_path=str(long_gguf), model_name="long").launch
+    assert _flag(launch.argv, "--n_ctx") == str(MILLION // 8)
+
+
+@pytest.fixture
+def store(settings, tmp_path):
+    settings.STORE_DIR, settings.MINIO_ENDPOINT = tmp_path / "store", ""
+    from hub.store import get_store
+
+    return get_store()
+
+
+def test_a_stored_models_header_is_read_from_the_store_once_per_file(node, long_gguf, tiny_gguf, store):
+    from hub.index import index_prefix, refresh_index
+    from hub.models import ModelArtifact
+
+    set_backends(NODE, node_backends())  # llama-server built on this machine, on the CPU
+    store.upload_model("gguf/long", long_gguf)
+    index_prefix("gguf/long", store=store)
+    launch = plan_load(model_path="gguf/long", model_name="long").launch
+    # The estimate knows the KV cache of the whole context (not the store size + 15 %).
+    assert launch.context == MILLION and f"KV cache 0.5 GiB for {MILLION} tokens" in launch.estimate_detail
+    cached = ModelArtifact.objects.get(prefix="gguf/long").gguf_header
+    assert cached["ctx"] == MILLION and cached["file"] == "long.gguf" and cached["etag"]
+    # The file replaced in the store (a 2,048-token model): the header read before stands while the
+    # index names the old file; once the index has the new ETag, the new header is read.
+    (store.root / "gguf" / "long" / "long.gguf").write_bytes(tiny_gguf.read_bytes())
+    assert plan_load(model_path="gguf/long", model_name="long").launch.context == MILLION
+    refresh_index(store=store)
+    assert plan_load(model_path="gguf/long", model_name="long").launch.context == 2048
+    assert ModelArtifact.objects.get(prefix="gguf/long").gguf_header["ctx"] == 2048
+    # Not indexed yet: its manifest names the file, read from the store each time.
+    store.upload_model("gguf/fresh", long_gguf)
+    assert plan_load(model_path="gguf/fresh", model_name="fresh").launch.context == MILLION
+
+
+async def test_llama_server_runs_with_the_context_the_plan_chose(agent, serving_settings, tmp_path):
+    """The real llama-server, planned on a node that offers 516 MiB to models: the tiny model's 8,192
+    trained tokens (517 MiB with overhead) do not fit, 4,096 (515 MiB) do, and the engine's log
+    says it allocated that context (its own default would have been 8,192)."""
+    from asgiref.sync import sync_to_async
+
+    from hardware.models import Node
+    from hub.demo import write_tiny_llama_gguf
+    from serving.control.services import request_load
+    from serving.models import InstanceState
+    from serving.node.logs import current_log
+    from tests.serving.conftest import wait_state
+
+    serving_settings.NODE_MEMORY_MIB = 516  # what the agent says at its next heartbeat
+    await sync_to_async(Node.objects.filter(name=NODE).update)(model_memory_mib=516)
+    model = write_tiny_llama_gguf(tmp_path / "ctx8k.gguf", n_ctx=8192)
+    inst = await sync_to_async(request_load)(model_path=str(model), model_name="ctx8k", backend="llama-server")
+    agent.nudge()
+    inst = await wait_state(inst.pk, {InstanceState.READY, InstanceState.ERROR}, timeout=90)
+    assert inst.state == InstanceState.READY, inst.last_error
+    assert inst.plan["context"] == 4096 and "--ctx-size" in inst.plan["argv"]
+    assert "context 4,096 tokens of the model's 8,192" in inst.backend_reason
+    log = current_log(inst.pk).read_text(errors="replace")
+    assert "n_slots = 16, n_ctx_slot = 4096, kv_unified = 'true'" in log, log[-2000:]
