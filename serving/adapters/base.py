@@ -90,6 +90,9 @@ class LaunchSpec:
     # the model's trained context, or less where its KV cache would not fit), and the verdict's words.
     context: int = 0
     context_reason: str = ""
+    # The fraction of each GPU's memory the plan gives an engine that takes a fixed share at start
+    # (BackendAdapter.gpu_share_flag; serving.control.planning.gpu_share); 0.0: none set.
+    gpu_share: float = 0.0
 
     @property
     def is_embedding(self) -> bool:
@@ -157,6 +160,9 @@ class BackendAdapter:
     # of KV cache for many models), and on a GPU it shrinks it to take all free memory but 1 GiB
     # (`--fit on`); the plan's estimate must be what the engine allocates.
     context_flag: ClassVar[str] = ""
+    # The flag of an engine that takes a fixed share of each GPU's memory at start, whatever the
+    # model needs (vLLM); the plan sets it and counts that share as the instance's memory.
+    gpu_share_flag: ClassVar[str] = ""
 
     def serves(self, path: str, version: str = "") -> bool:
         """Whether the proxy may send `path` to this server (one of its inference routes)."""

@@ -83,6 +83,10 @@ class VllmServer(BackendAdapter):
     }
     server_types = frozenset({"llm", "embedding", "rerank"})
     supports_adapters = True  # --enable-lora --lora-modules at start
+    # Its weights, then a KV cache that fills the rest of this share of each GPU (default 0.9); it
+    # refuses to start while less than that share is free ("Free memory on device ... is less than
+    # desired GPU memory utilization").
+    gpu_share_flag = "--gpu-memory-utilization"
 
     def serves(self, path: str, version: str = "") -> bool:
         """/v1/responses since 0.10; Anthropic's /v1/messages in the OpenAI server only in recent
@@ -170,6 +174,8 @@ class VllmServer(BackendAdapter):
             cmd += ["--enable-lora", "--lora-modules",
                     *(f"{spec.model_name}:{name}={path}" for name, path, _ in spec.adapters)]
         extra = self.extra_argv(spec)
+        if spec.gpu_share and self.gpu_share_flag not in extra:
+            cmd += [self.gpu_share_flag, f"{spec.gpu_share:.2f}"]
         if spec.adapters:
             extra = _drop_flags(extra, {"--enable-lora"})  # given above already
         if spec.is_embedding:

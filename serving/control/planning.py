@@ -13,6 +13,7 @@ gets its plan made once, on the node, from its row (`plan_for_instance`).
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import shlex
 import sys
@@ -422,6 +423,12 @@ def make_launch_plan(*, node: Node, source: ModelSource, model_name: str, server
                 too_big = too_big or str(exc)
     chosen_ctx = n_ctx if not ctx else None
     context_reason = _context_reason(chosen_ctx, header, too_big) if chosen_ctx else ""
+    share = 0.0
+    if chosen and choice.uses_gpu and adapter.gpu_share_flag:
+        share, estimate = gpu_share(node, chosen, estimate, given=run_args.get(adapter.gpu_share_flag),
+                                    instance_id=instance_id, placed=placed_gpus is not None)
+        if share:
+            fit += f"; {choice.backend} takes {share:.2f} of each: ~{gib(estimate.total_mib)}"
     # The node's GPU type also on a CPU placement: the backend is then told to see no GPU.
     gpu_type = "" if node_type == CPU else node_type
     spec = LaunchSpec(
@@ -430,7 +437,7 @@ def make_launch_plan(*, node: Node, source: ModelSource, model_name: str, server
         executable=choice.path, python=PYTHON_SLOT, tensor_parallel_size=tp, extra_args=run_args,
         extra_args_checked=True, api_key_file=KEY_FILE_SLOT, cpu_cores=node.cpu_count or 0,
         cpu_backends=1 + (0 if chosen else cpu_backends_on(node, besides=instance_id)),
-        context=chosen_ctx or 0, context_reason=context_reason,
+        context=chosen_ctx or 0, context_reason=context_reason, gpu_share=share,
         adapters=tuple((a["name"], adapter_slot(a["name"]) if is_stored(a) else a["path"], float(a.get("scale", 1.0)))
                        for a in adapters or ()),
     )
@@ -480,6 +487,44 @@ def _room_mib(node: Node, gpus: list[int], instance_id: int | None) -> int | Non
                  if r.index in gpus]
         return sum(rooms) if rooms else None
     return ram_room(node, exclude_instance=instance_id)
+
+
+GPU_SHARE_DEFAULT = 0.9  # vLLM's own --gpu-memory-utilization
+
+
+def gpu_share(node: Node, gpus: list[int], estimate: MemoryEstimate, *, given: object, instance_id: int | None,
+              placed: bool) -> tuple[float, MemoryEstimate]:
+    """The fraction of each GPU's memory an engine that takes a fixed share of it at start (vLLM's
+    `--gpu-memory-utilization`: weights, then the KV cache fills the rest; it refuses to start
+    while less than that share of the GPU is free) gets, and the estimate made that share, since
+    that is what it holds. The load's own share stands (409 where a GPU has not that much free);
+    else vLLM's default 0.9, or what the GPUs have free when less (a GPU that other models
+    share), and never less than the model's estimate. (0.0, estimate) when the GPUs' sizes are
+    not known."""
+    rooms = {r.index: r for r in gpu_rooms(node, exclude_instance=instance_id, evictable_free=True)}
+    held = [rooms[i] for i in gpus if i in rooms and rooms[i].total_mib > 0]
+    if len(held) != len(gpus):
+        return 0.0, estimate
+    need = max(estimate.total_mib / len(held) / r.total_mib for r in held)
+    if given:
+        share = float(given)  # type: ignore[arg-type]  # normalize_extra_args made it a number
+        short = [r for r in held if r.free_mib < share * r.total_mib]
+        if short and not placed:
+            r = short[0]
+            raise LoadRefused(409, f"vLLM takes {share:.2f} of each GPU's memory at start (--gpu-memory-utilization "
+                                   f"{share:g}): {gib(share * r.total_mib)} of GPU {r.index} of {node.name}, which has "
+                                   f"{gib(r.free_mib)} free", code="does_not_fit")
+        why = f"{share:.2f} of each GPU's memory at start, as the load sets"
+    else:
+        free = min(r.free_mib / r.total_mib for r in held)
+        share = min(1.0, max(math.ceil(need * 100) / 100, math.floor(min(GPU_SHARE_DEFAULT, free) * 100) / 100))
+        why = (f"{share:.2f} of each GPU's memory at start (--gpu-memory-utilization"
+               + (f"; vLLM's own {GPU_SHARE_DEFAULT} would not start: {free:.2f} is free)" if free < GPU_SHARE_DEFAULT
+                  else ")"))
+    total = round(sum(share * r.total_mib for r in held))
+    detail = (f"vLLM takes {why}: {gib(total)}; the model needs ~{gib(estimate.total_mib)} of it ({estimate.detail}) "
+              "and its KV cache gets the rest")
+    return share, dataclasses.replace(estimate, total_mib=total, detail=detail)
 
 
 def _context_reason(n_ctx: int, header: dict, too_big: str) -> str:

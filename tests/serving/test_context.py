@@ -167,3 +167,94 @@ async def test_llama_server_runs_with_the_context_the_plan_chose(agent, serving_
     assert "context 4,096 tokens of the model's 8,192" in inst.backend_reason
     log = current_log(inst.pk).read_text(errors="replace")
     assert "n_slots = 16, n_ctx_slot = 4096, kv_unified = 'true'" in log, log[-2000:]
+
+
+# ------------------------------------------------------------------ vLLM's share of a GPU
+VLLM = {"name": "vllm", "available": True, "version": "0.17.0", "flavour": "cuda", "path": "", "reason": ""}
+
+
+@pytest.fixture
+def hf_model(tmp_path) -> Path:
+    import json
+
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 256,
+              "intermediate_size": 128, "max_position_embeddings": 512, "torch_dtype": "float16"}
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "model.safetensors").write_bytes(b"x" * 64)
+    return folder
+
+
+def _vllm_node(node, used_mib: tuple[int, ...]):
+    from hardware.models import GpuDevice
+
+    node.backends = [VLLM]
+    node.save()
+    for index, used in enumerate(used_mib):
+        GpuDevice.objects.create(node=node, index=index, vendor="NVIDIA", type="NVIDIA", name="L4",
+                                 memory_total_mib=24000, memory_used_mib=used)
+
+
+def test_vllm_gets_and_is_counted_for_its_share_of_the_gpu(node, hf_model):
+    """vLLM holds --gpu-memory-utilization of each GPU (0.9 by default) whatever the model needs, and
+    refuses to start with less free: the plan sets the share and counts it as the instance's memory."""
+    _vllm_node(node, (600,))
+    launch = plan_load(model_path=str(hf_model), model_name="hf").launch
+    assert launch.backend == "vllm" and launch.gpus == (0,)
+    assert _flag(launch.argv, "--gpu-memory-utilization") == "0.90"
+    assert launch.estimate_mib == 21600  # 0.9 x 24,000 MiB, not the tiny model's ~0.5 GiB
+    assert "vLLM takes 0.90 of each GPU's memory at start" in launch.estimate_detail
+    assert "the model needs ~0.5 GiB of it" in launch.estimate_detail and "vllm takes 0.90 of each" in launch.fit
+
+
+def test_vllm_on_a_gpu_that_another_model_uses_gets_what_is_free(node, hf_model):
+    _vllm_node(node, (10000,))  # 14,000 of 24,000 MiB free: 0.58 of it
+    launch = plan_load(model_path=str(hf_model), model_name="hf").launch
+    assert _flag(launch.argv, "--gpu-memory-utilization") == "0.58" and launch.estimate_mib == 13920
+    assert "vLLM's own 0.9 would not start: 0.58 is free" in launch.estimate_detail
+
+
+def test_vllm_share_on_two_gpus_is_the_least_free_one(node, hf_model):
+    _vllm_node(node, (600, 12000))
+    launch = plan_load(model_path=str(hf_model), model_name="hf", tensor_parallel_size=2).launch
+    assert launch.gpus == (0, 1) and _flag(launch.argv, "--gpu-memory-utilization") == "0.50"
+    assert launch.estimate_mib == 24000  # 0.5 of each
+
+
+def test_the_loads_own_share_is_checked_against_what_is_free(node, hf_model):
+    from serving.models import ModelInstance
+
+    _vllm_node(node, (10000,))
+    launch = plan_load(model_path=str(hf_model), model_name="hf", extra_args={"--gpu-memory-utilization": 0.5}).launch
+    assert launch.argv.count("--gpu-memory-utilization") == 1 and _flag(launch.argv, "--gpu-memory-utilization") == "0.5"
+    assert launch.estimate_mib == 12000 and "as the load sets" in launch.estimate_detail
+    with pytest.raises(LoadRefused) as refused:
+        plan_load(model_path=str(hf_model), model_name="hf", extra_args={"--gpu-memory-utilization": 0.9})
+    assert refused.value.status == 409 and refused.value.code == "does_not_fit"
+    assert "21.1 GiB of GPU 0 of node-t, which has 13.7 GiB free" in refused.value.message
+    assert not ModelInstance.objects.exists()
+
+
+def test_a_second_vllm_model_gets_what_the_first_left(client, node, operator, hf_model):
+    """Two loads through the API on one 24,000 MiB GPU, the detector not having seen the first
+    allocate yet: the first is counted at its 0.9 share, so the second gets the 0.07 left (vLLM's
+    default 0.9 would not start), and a third finds too little for the model."""
+    from tests.conftest import bearer
+
+    def load(name: str, **extra):
+        return client.post("/api/management/load", {"model_path": str(hf_model), "model_name": name, **extra},
+                           content_type="application/json", **bearer(operator.key))
+
+    def share(response) -> str:
+        one = client.get(f"/api/management/instances/{response.json()['id']}", **bearer(operator.key)).json()
+        return _flag(one["command"], "--gpu-memory-utilization")
+
+    _vllm_node(node, (600,))
+    first = load("a")
+    assert first.status_code == 202 and share(first) == "0.90", first.content
+    second = load("b")
+    assert second.status_code == 202 and share(second) == "0.07", second.content  # 1,800 MiB of 24,000 free
+    third = load("c")
+    assert third.status_code == 409 and third.json()["error"]["code"] == "does_not_fit", third.content
