@@ -138,4 +138,38 @@ def read_metadata_from(buf: bytes | mmap.mmap, keys: Iterable[str], *, also: Any
     return found
 
 
-__all__ = ["read_metadata", "read_metadata_from"]
+# The keys that size a model's KV cache, under its architecture's prefix ("llama.block_count").
+ARCH_KEYS = {"n_layers": "block_count", "ctx": "context_length", "n_embd": "embedding_length",
+             "n_head": "attention.head_count", "n_head_kv": "attention.head_count_kv"}
+
+
+def _arch_keys(found: dict) -> list[str]:
+    arch = found.get("general.architecture")
+    return [f"{arch}.{k}" for k in ARCH_KEYS.values()] if arch else []
+
+
+def _arch_header(meta: dict) -> dict:
+    if not meta:
+        return {}
+    arch = str(meta.get("general.architecture") or "llama")
+    out = {"arch": arch, **{name: meta.get(f"{arch}.{key}") for name, key in ARCH_KEYS.items()}}
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def arch_header(path: Path | str) -> dict:
+    """{arch, n_layers, ctx (trained), n_embd, n_head, n_head_kv} of a GGUF file, those it has ({} if unreadable)."""
+    return _arch_header(read_metadata(path, ["general.architecture"], also=_arch_keys))
+
+
+def arch_header_from(buf: bytes) -> dict:
+    """arch_header over a GGUF file's first bytes (a ranged read of the store's copy)."""
+    return _arch_header(read_metadata_from(buf, ["general.architecture"], also=_arch_keys))
+
+
+def has_kv_shape(head: dict) -> bool:
+    """Whether a header says enough to size the KV cache (layers, width, heads, trained context;
+    the KV heads default to the heads)."""
+    return all(isinstance(head.get(k), int) and head[k] > 0 for k in ("n_layers", "n_embd", "ctx", "n_head"))
+
+
+__all__ = ["ARCH_KEYS", "arch_header", "arch_header_from", "has_kv_shape", "read_metadata", "read_metadata_from"]

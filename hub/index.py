@@ -1,15 +1,59 @@
 """The ModelArtifact index: the store's listing kept in the database (the store is the truth)."""
 from __future__ import annotations
 
+from typing import Any
+
 from django.db import transaction
 from django.utils import timezone
 
+from hub import layout
+from hub.ggufmeta import arch_header_from, has_kv_shape
 from hub.models import ModelArtifact, PrefixLock
 from hub.paths import validate_prefix
 from hub.store import ModelStore, StoredModel, get_store
 
+# Ranged reads of a stored GGUF's start, tried in turn until its architecture keys are in: they come
+# before the vocabulary (all of them within the first 0.4 KiB of the tiny models, 0.7 KiB of the
+# demo model's file).
+HEAD_READS = (16 * 1024, 1024 * 1024, 16 * 1024 * 1024)
 
-def _upsert_artifact(model: StoredModel, *, source_repo: str = "", source_revision: str = "") -> ModelArtifact:
+
+def stored_gguf_header(store: ModelStore, prefix: str, files: list[dict[str, Any]],
+                       cached: dict[str, Any] | None) -> dict[str, Any]:
+    """The architecture keys of the GGUF a store model loads (hub.ggufmeta.arch_header), with the
+    file and ETag they were read from: `cached` when it came from the same file, else ranged reads
+    of the file's start (HEAD_READS). {} when the store cannot be read or the file holds no such
+    keys: the memory estimate then falls back to the model's size. Read when a model is indexed,
+    so a load of an indexed model does not wait on the store for it."""
+    rel = layout.pick_gguf((str(f.get("path", "")), int(f.get("size") or 0)) for f in files or ())
+    if rel is None:
+        return {}
+    etag = next((str(f.get("etag") or "") for f in files if f.get("path") == rel), "")
+    if cached and cached.get("file") == rel and cached.get("etag") == etag:
+        return cached
+    head: dict[str, Any] = {}
+    try:
+        for length in HEAD_READS:
+            buf = store.get_head(f"{prefix}/{rel}", length)
+            head = arch_header_from(buf)
+            # The KV heads (which models without grouped-query attention leave out) may lie past a
+            # read that ends between keys: read on, unless this was the whole file.
+            if has_kv_shape(head) and ("n_head_kv" in head or len(buf) < length):
+                break
+    except Exception:  # noqa: BLE001 - a store that cannot be read leaves the size-based estimate
+        return {}
+    return {**head, "file": rel, "etag": etag} if has_kv_shape(head) else {}
+
+
+def _header_of(store: ModelStore, model: StoredModel, cached: dict[str, Any] | None) -> dict[str, Any]:
+    if model.format != layout.GGUF or not model.complete:
+        return {}
+    return stored_gguf_header(store, model.prefix, model.files, cached)
+
+
+def _upsert_artifact(model: StoredModel, *, store: ModelStore, source_repo: str = "",
+                     source_revision: str = "") -> ModelArtifact:
+    cached = ModelArtifact.objects.filter(prefix=model.prefix).values_list("gguf_header", flat=True).first()
     defaults = {
         "format": model.format,
         "name": model.prefix.split("/", 1)[1],
@@ -17,6 +61,7 @@ def _upsert_artifact(model: StoredModel, *, source_repo: str = "", source_revisi
         "size_bytes": model.size_bytes,
         "file_count": model.file_count,
         "complete": model.complete,
+        "gguf_header": _header_of(store, model, cached),
         "indexed_at": timezone.now(),
     }
     if source_repo:
@@ -37,15 +82,16 @@ def refresh_index(*, store: ModelStore | None = None) -> int:
     models = store.scan_models()
     locked |= set(PrefixLock.objects.values_list("prefix", flat=True))
     existing = {a.prefix: a for a in ModelArtifact.objects.all() if a.prefix not in locked}
-    fields = ("format", "name", "files", "size_bytes", "file_count", "complete", "indexed_at")
+    fields = ("format", "name", "files", "size_bytes", "file_count", "complete", "gguf_header", "indexed_at")
     new, changed = [], []
     for model in models:
         if model.prefix in locked:
             continue
+        row = existing.pop(model.prefix, None)
         values = {"format": model.format, "name": model.prefix.split("/", 1)[1], "files": model.files,
                   "size_bytes": model.size_bytes, "file_count": model.file_count, "complete": model.complete,
+                  "gguf_header": _header_of(store, model, row.gguf_header if row is not None else None),
                   "indexed_at": started}
-        row = existing.pop(model.prefix, None)
         if row is None:
             new.append(ModelArtifact(prefix=model.prefix, **values))
         elif row.indexed_at >= started:
@@ -82,7 +128,7 @@ def index_prefix(prefix: str, *, store: ModelStore | None = None, source_repo: s
         model.size_bytes += obj.size
         model.file_count += 1
     model.complete = store.exists(prefix)
-    return _upsert_artifact(model, source_repo=source_repo, source_revision=source_revision)
+    return _upsert_artifact(model, store=store, source_repo=source_repo, source_revision=source_revision)
 
 
-__all__ = ["index_prefix", "refresh_index"]
+__all__ = ["index_prefix", "refresh_index", "stored_gguf_header"]

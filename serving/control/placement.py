@@ -18,6 +18,7 @@ from typing import Any
 from django.conf import settings
 
 from hardware.models import GpuDevice, Node
+from hub.ggufmeta import arch_header, has_kv_shape
 from hub.models import CacheEntry, CacheState
 from serving.models import InstanceState, ModelInstance
 
@@ -55,42 +56,11 @@ def _kv_mib(n_layers: int, ctx: int, n_embd: int, n_head: int, n_head_kv: int, b
     return int(2 * n_layers * ctx * kv_dim * bytes_per / MIB)
 
 
-ARCH_KEYS = {"n_layers": "block_count", "ctx": "context_length", "n_embd": "embedding_length",
-             "n_head": "attention.head_count", "n_head_kv": "attention.head_count_kv"}
-
-
 def gguf_header(path: Path) -> dict:
     """n_layers, context length, embedding size and heads from a GGUF header ({} if unreadable).
     Read by hub.ggufmeta, which stops once it has them (gguf-py's reader parsed the whole
     vocabulary first: 4.1-4.7 s on the demo model, on every load)."""
-    from hub.ggufmeta import read_metadata
-
-    return _arch_header(read_metadata(path, ["general.architecture"], also=_arch_keys))
-
-
-def gguf_header_from(buf: bytes) -> dict:
-    """gguf_header over a GGUF file's first bytes (a ranged read of the store's copy)."""
-    from hub.ggufmeta import read_metadata_from
-
-    return _arch_header(read_metadata_from(buf, ["general.architecture"], also=_arch_keys))
-
-
-def _arch_keys(found: dict) -> list[str]:
-    arch = found.get("general.architecture")
-    return [f"{arch}.{k}" for k in ARCH_KEYS.values()] if arch else []
-
-
-def _arch_header(meta: dict) -> dict:
-    if not meta:
-        return {}
-    arch = str(meta.get("general.architecture") or "llama")
-    out = {"arch": arch, **{name: meta.get(f"{arch}.{key}") for name, key in ARCH_KEYS.items()}}
-    return {k: v for k, v in out.items() if v is not None}
-
-
-def has_kv_shape(head: dict) -> bool:
-    """Whether a header says enough to size the KV cache (layers, width, trained context)."""
-    return all(isinstance(head.get(k), int) and head[k] > 0 for k in ("n_layers", "n_embd", "ctx"))
+    return arch_header(path)
 
 
 def estimate_gguf(path: Path, *, ctx: int | None = None) -> MemoryEstimate:

@@ -25,6 +25,7 @@ from django.conf import settings
 from hardware.models import GpuDevice, Node
 from hardware.services import wait_for_inventory
 from hub import layout
+from hub.ggufmeta import has_kv_shape
 from hub.imports import HubInputError, LoadSource, check_load_path
 from hub.models import ModelArtifact
 from hub.paths import InvalidPrefix, validate_prefix
@@ -40,10 +41,8 @@ from serving.control.placement import (
     choose_node,
     estimate_memory,
     gguf_header,
-    gguf_header_from,
     gib,
     gpu_rooms,
-    has_kv_shape,
     ram_room,
 )
 from serving.control.selection import (
@@ -146,32 +145,17 @@ def resolve_source(model_path: str, *, on_this_node: bool) -> ModelSource:
     return ModelSource(prefix, "prefix", fmt, None, None, manifest.size_bytes, header)
 
 
-HEAD_READS = (256 * 1024, 16 * 1024 * 1024)  # a GGUF's architecture keys come before its vocabulary
-
-
 def stored_gguf_header(prefix: str, files: list[dict], cached: dict | None) -> dict:
-    """The architecture keys of the GGUF a store model loads (placement.gguf_header), with the file
-    and ETag they were read from: `cached` when it was read from the same file, else one ranged
-    read of its first 256 KiB (16 MiB when the keys come later). {} when the store cannot be read
-    or the file holds no such keys: the estimate then falls back to the model's size."""
-    rel = layout.pick_gguf((str(f.get("path", "")), int(f.get("size") or 0)) for f in files or ())
-    if rel is None:
-        return {}
-    etag = next((str(f.get("etag") or "") for f in files if f.get("path") == rel), "")
-    if cached and cached.get("file") == rel and cached.get("etag") == etag:
-        return cached
+    """A stored GGUF's architecture keys (hub.index.stored_gguf_header): from the index row when it
+    has them for the same file, else read from the store now (a model not indexed yet, or indexed
+    before the index kept them)."""
+    from hub.index import stored_gguf_header as read
     from hub.store import get_store
 
-    head: dict = {}
     try:
-        store = get_store()
-        for length in HEAD_READS:
-            head = gguf_header_from(store.get_head(f"{prefix}/{rel}", length))
-            if has_kv_shape(head):
-                break
-    except Exception:  # noqa: BLE001 - a store that cannot be read leaves the size-based estimate
+        return read(get_store(), prefix, files, cached)  # the cached header when it is the same file's: no I/O
+    except Exception:  # noqa: BLE001 - a store that cannot be set up leaves the size-based estimate
         return {}
-    return {**head, "file": rel, "etag": etag} if has_kv_shape(head) else {}
 
 
 def check_load_path_or_refuse(raw: str) -> LoadSource:

@@ -43,11 +43,11 @@ def _gpu_node(node, free_mib: int):
 
 
 def test_the_contexts_tried_are_the_models_own_then_powers_of_two_down_to_4096():
-    assert context_choices({"n_layers": 2, "n_embd": 64, "ctx": 2048}) == [2048]
-    assert context_choices({"n_layers": 2, "n_embd": 64, "ctx": 4096}) == [4096]
-    assert context_choices({"n_layers": 2, "n_embd": 64, "ctx": 5000}) == [5000, 4096]
-    assert context_choices({"n_layers": 2, "n_embd": 64, "ctx": 131072}) == [131072, 65536, 32768, 16384, 8192, 4096]
-    assert context_choices({"n_layers": 2, "n_embd": 64}) == []  # the header does not say: the engine's default
+    assert context_choices({"n_layers": 2, "n_embd": 64, "n_head": 4, "ctx": 2048}) == [2048]
+    assert context_choices({"n_layers": 2, "n_embd": 64, "n_head": 4, "ctx": 4096}) == [4096]
+    assert context_choices({"n_layers": 2, "n_embd": 64, "n_head": 4, "ctx": 5000}) == [5000, 4096]
+    assert context_choices({"n_layers": 2, "n_embd": 64, "n_head": 4, "ctx": 131072}) == [131072, 65536, 32768, 16384, 8192, 4096]
+    assert context_choices({"n_layers": 2, "n_embd": 64, "n_head": 4}) == []  # the header does not say: the engine's default
     assert context_choices({}) == []
 
 
@@ -125,12 +125,16 @@ def test_a_stored_models_header_is_read_from_the_store_once_per_file(node, long_
 
     set_backends(NODE, node_backends())  # llama-server built on this machine, on the CPU
     store.upload_model("gguf/long", long_gguf)
-    index_prefix("gguf/long", store=store)
+    index_prefix("gguf/long", store=store)  # indexing reads the header: a load does not wait on the store for it
+    cached = ModelArtifact.objects.get(prefix="gguf/long").gguf_header
+    assert cached["ctx"] == MILLION and cached["file"] == "long.gguf" and cached["etag"]
     launch = plan_load(model_path="gguf/long", model_name="long").launch
     # The estimate knows the KV cache of the whole context (not the store size + 15 %).
     assert launch.context == MILLION and f"KV cache 0.5 GiB for {MILLION} tokens" in launch.estimate_detail
-    cached = ModelArtifact.objects.get(prefix="gguf/long").gguf_header
-    assert cached["ctx"] == MILLION and cached["file"] == "long.gguf" and cached["etag"]
+    # A row indexed before the index kept headers: read at its first load, and kept.
+    ModelArtifact.objects.filter(prefix="gguf/long").update(gguf_header={})
+    assert plan_load(model_path="gguf/long", model_name="long").launch.context == MILLION
+    assert ModelArtifact.objects.get(prefix="gguf/long").gguf_header == cached
     # The file replaced in the store (a 2,048-token model): the header read before stands while the
     # index names the old file; once the index has the new ETag, the new header is read.
     (store.root / "gguf" / "long" / "long.gguf").write_bytes(tiny_gguf.read_bytes())
