@@ -119,6 +119,8 @@ def estimate_memory(path: Path | None, *, fmt: str, size_bytes: int = 0, ctx: in
     read from the store (`header`) and its size, else from the store size alone."""
     try:
         if path is not None and fmt == "gguf" and path.is_file():
+            if header and has_kv_shape(header):  # read already (the plan's context choice): not again
+                return estimate_gguf_head(header, int(path.stat().st_size / MIB) + 1, ctx=ctx)
             return estimate_gguf(path, ctx=ctx)
         if fmt == "gguf" and header and has_kv_shape(header) and size_bytes:
             return estimate_gguf_head(header, int(size_bytes / MIB) + 1, ctx=ctx)

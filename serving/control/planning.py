@@ -375,7 +375,7 @@ def make_launch_plan(*, node: Node, source: ModelSource, model_name: str, server
         if not choice.uses_gpu and gpus:
             raise LoadRefused(400, f"{choice.backend} ({choice.flavour}) runs on the CPU; do not pick GPUs")
         chosen = list(placed_gpus or []) if choice.uses_gpu else []
-        room = _room_mib(node, chosen, instance_id)
+        room = _room_mib(node, chosen, instance_id) if len(contexts) > 1 else None  # one context: nothing to choose
         for n_ctx in contexts:
             estimate = estimate_at(n_ctx)
             if room is None or estimate.total_mib <= room:

@@ -172,6 +172,27 @@ def _progress(instance_id: int, pct: float) -> None:
         inst.set_progress(pct)
 
 
+def _ports_taken(inst: ModelInstance) -> set[int]:
+    """Ports the other instances on the instance's node's address hold (agents may share a host)."""
+    return set(ModelInstance.objects.filter(node__address=inst.node.address, state__in=ACTIVE_STATES,
+                                            port__isnull=False).exclude(pk=inst.pk).values_list("port", flat=True))
+
+
+def _leaving(node_name: str, instance_id: int) -> int:
+    """Instances of the node on their way out (desired state no longer RUNNING), but this one."""
+    return ModelInstance.objects.filter(node__name=node_name, state__in=ACTIVE_STATES).exclude(
+        desired_state=DesiredState.RUNNING).exclude(pk=instance_id).count()
+
+
+def _launch_facts(instance_id: int, node_name: str) -> tuple[ModelInstance | None, set[int] | None, int | None]:
+    """What a start reads before it spawns, in one trip to the database: the row (its node with
+    it), the ports taken on its address, and how many of the node's instances are leaving."""
+    inst = _get(instance_id)
+    if inst is None:
+        return None, None, None
+    return inst, _ports_taken(inst), _leaving(node_name, instance_id)
+
+
 db_get = _db(_get)
 db_mark = _db(_mark)
 db_progress = _db(_progress)
@@ -569,7 +590,8 @@ class Supervisor(AgentWorker):
 
     async def _run_once(self, run: BackendRun) -> str:
         """Start the backend from the instance's plan and bring it to READY, then watch it."""
-        inst = await db_get(run.instance_id)
+        # One trip to the database for the row, the ports taken and the instances on their way out.
+        inst, taken, leaving = await _db(_launch_facts)(run.instance_id, self.agent.name)
         if inst is None:
             return STOPPED
         if inst.state != InstanceState.PENDING:  # e.g. STOPPED by the last agent's shutdown, to run again
@@ -578,13 +600,14 @@ class Supervisor(AgentWorker):
             inst = await _db(start_again)(inst.pk, "starting it again on this node")  # the fit checked, as any start
             if inst is None:  # it does not fit now (its timeline says why): it stays STOPPED
                 return STOPPED
+            taken, leaving = None, None  # read again where they are needed
         try:
-            plan = run.plan = await _db(plan_for_instance)(inst)
+            plan = run.plan = stored_plan(inst) or await _db(plan_for_instance)(inst)
             run.adapter, run.host = get_adapter(plan.backend), plan.host
             model_file = await self._resolve_model(run, plan)
             adapter_files = await self._resolve_adapters(run, plan, model_file) if plan.adapters else {}
             await self._wait_for_build(run, plan)
-            port = run.picked_port = await self._pick_port(inst)
+            port = run.picked_port = await self._pick_port(inst, taken)
             # A new secret per launch: the backend answers no one who does not send it.
             secret, key_file = secrets.token_urlsafe(32), backend_key_file(inst.pk)
             argv = plan.command(port=port, model=model_file, python=sys.executable, key_file=key_file,
@@ -608,7 +631,7 @@ class Supervisor(AgentWorker):
             return LOAD_FAILED
         run.port, run.secret = port, secret
         try:
-            await self._wait_for_evictions(run.instance_id)
+            await self._wait_for_evictions(run.instance_id, leaving)
             log_path = current_log(run.instance_id)
             run.process = await spawn_backend(argv, env=env, log_path=log_path,
                                               previous_log=previous_log(run.instance_id))
@@ -646,16 +669,14 @@ class Supervisor(AgentWorker):
         except Exception:  # a measurement must never take a READY backend down
             log.warning("measuring instance %s failed", run.instance_id, exc_info=True)
 
-    async def _wait_for_evictions(self, instance_id: int) -> None:
+    async def _wait_for_evictions(self, instance_id: int, leaving: int | None) -> None:
         """Instances of this node on their way out (evicted to make room, unloaded) free their
-        memory before a new backend takes it."""
+        memory before a new backend takes it. `leaving`: their count read with the row at the
+        start (0: none, no query; a start's own evictions are marked before the agent hears of it)."""
         deadline = time.monotonic() + settings.STOP_GRACE_S + 10
-
-        def leaving() -> int:
-            return ModelInstance.objects.filter(node__name=self.agent.name, state__in=ACTIVE_STATES).exclude(
-                desired_state=DesiredState.RUNNING).exclude(pk=instance_id).count()
-
-        while time.monotonic() < deadline and await _db(leaving)():
+        if leaving == 0:
+            return
+        while time.monotonic() < deadline and await _db(_leaving)(self.agent.name, instance_id):
             await asyncio.sleep(0.1)
 
     async def _resolve_model(self, run: BackendRun, plan: LaunchPlan) -> Path:
@@ -762,11 +783,9 @@ class Supervisor(AgentWorker):
         await asyncio.to_thread(export_llama_cpp_lib_path)  # llama-cpp-python's libllama is the build's
         log.info("instance %s: the llama.cpp build it waited for is done", run.instance_id)
 
-    async def _pick_port(self, inst: ModelInstance) -> int:
+    async def _pick_port(self, inst: ModelInstance, taken: set[int] | None = None) -> int:
         # Ports of every node on this address count: several agents may share one host.
-        taken = set(await _db(lambda: list(ModelInstance.objects.filter(
-            node__address=inst.node.address, state__in=ACTIVE_STATES, port__isnull=False,
-        ).exclude(pk=inst.pk).values_list("port", flat=True)))())
+        taken = set(taken) if taken is not None else await _db(_ports_taken)(inst)
         # Replicas launched together (issue 30): a port picked by another launch that has not yet spawned.
         taken |= {p for pk, r in self.runs.items() if pk != inst.pk for p in (r.port, r.picked_port) if p}
         try:
