@@ -90,6 +90,7 @@ class LaunchSpec:
     # the model's trained context, or less where its KV cache would not fit), and the verdict's words.
     context: int = 0
     context_reason: str = ""
+    context_trained: int = 0  # the model's own context, where the plan read it
     # The fraction of each GPU's memory the plan gives an engine that takes a fixed share at start
     # (BackendAdapter.gpu_share_flag; serving.control.planning.gpu_share); 0.0: none set.
     gpu_share: float = 0.0
@@ -101,6 +102,11 @@ class LaunchSpec:
     @property
     def is_rerank(self) -> bool:
         return self.server_type == "rerank"
+
+
+def share_text(share: float) -> str:
+    """A fraction of a GPU's memory as vLLM's --gpu-memory-utilization gets it: 0.9 -> "0.90", 0.033 -> "0.033"."""
+    return f"{share:.2f}" if round(share * 100, 6).is_integer() else f"{share:.3f}"
 
 
 def parse_version(version: str) -> tuple[int, ...]:
@@ -160,6 +166,8 @@ class BackendAdapter:
     # of KV cache for many models), and on a GPU it shrinks it to take all free memory but 1 GiB
     # (`--fit on`); the plan's estimate must be what the engine allocates.
     context_flag: ClassVar[str] = ""
+    # An engine whose own default is the model's context sets the flag only for a smaller one.
+    context_only_smaller: ClassVar[bool] = False
     # The flag of an engine that takes a fixed share of each GPU's memory at start, whatever the
     # model needs (vLLM); the plan sets it and counts that share as the instance's memory.
     gpu_share_flag: ClassVar[str] = ""
@@ -195,6 +203,8 @@ class BackendAdapter:
         """`context_flag N` and why, for the context the plan chose (LaunchSpec.context)."""
         ctx_flags = {"--ctx-size", "-c", "--n_ctx", "--max-model-len"}
         if not spec.context or not self.context_flag or ctx_flags & self.checked_extra_args(spec).keys():
+            return [], ""
+        if self.context_only_smaller and spec.context >= spec.context_trained:
             return [], ""
         return [self.context_flag, str(spec.context)], spec.context_reason
 

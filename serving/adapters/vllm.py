@@ -15,6 +15,7 @@ from serving.adapters.base import (
     InvalidExtraArgs,
     LaunchSpec,
     parse_version,
+    share_text,
 )
 
 # vLLM's docs: through 0.10.0 embeddings use `--task embed` (rerankers `--task score`); from 0.10.1
@@ -87,6 +88,11 @@ class VllmServer(BackendAdapter):
     # refuses to start while less than that share is free ("Free memory on device ... is less than
     # desired GPU memory utilization").
     gpu_share_flag = "--gpu-memory-utilization"
+    # Its default is the model's own context (max_position_embeddings, or more with rope scaling), and
+    # it refuses to start when one sequence of it does not fit its KV cache ("... larger than the
+    # maximum number of tokens that can be stored in KV cache"): the plan sets a smaller one then.
+    context_flag = "--max-model-len"
+    context_only_smaller = True
 
     def serves(self, path: str, version: str = "") -> bool:
         """/v1/responses since 0.10; Anthropic's /v1/messages in the OpenAI server only in recent
@@ -173,9 +179,10 @@ class VllmServer(BackendAdapter):
         if spec.adapters:  # each served as <model>:<name>, the name a request gives as `model`
             cmd += ["--enable-lora", "--lora-modules",
                     *(f"{spec.model_name}:{name}={path}" for name, path, _ in spec.adapters)]
+        cmd += self.serving_defaults(spec)[0]
         extra = self.extra_argv(spec)
         if spec.gpu_share and self.gpu_share_flag not in extra:
-            cmd += [self.gpu_share_flag, f"{spec.gpu_share:.2f}"]
+            cmd += [self.gpu_share_flag, share_text(spec.gpu_share)]
         if spec.adapters:
             extra = _drop_flags(extra, {"--enable-lora"})  # given above already
         if spec.is_embedding:
@@ -184,6 +191,11 @@ class VllmServer(BackendAdapter):
         elif spec.is_rerank:  # `--convert classify` stays: a causal LM made a cross-encoder (Qwen3-Reranker)
             extra = _drop_flags(extra, {"--runner", "--task"})
         return cmd + extra
+
+
+    def serving_defaults(self, spec: LaunchSpec) -> tuple[list[str], str]:
+        """A context smaller than the model's where the whole one does not fit (context_argv)."""
+        return self.context_argv(spec)
 
 
 def _drop_flags(argv: list[str], flags: set[str]) -> list[str]:

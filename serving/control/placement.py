@@ -82,6 +82,20 @@ def estimate_gguf_head(head: dict, weights_mib: int, *, ctx: int | None = None) 
     return MemoryEstimate(weights + kv + RUNTIME_OVERHEAD_MIB, weights, kv, RUNTIME_OVERHEAD_MIB, detail)
 
 
+def hf_header(config_path: Path) -> dict:
+    """gguf_header's keys from a Hugging Face config.json (its text model's, for a multimodal one);
+    {} when it cannot be read. The trained context is max_position_embeddings."""
+    try:
+        cfg = json.loads(config_path.read_text())
+        cfg = cfg.get("text_config", cfg) if "hidden_size" not in cfg else cfg
+        out = {"arch": str(cfg.get("model_type") or ""), "n_layers": cfg.get("num_hidden_layers"),
+               "ctx": cfg.get("max_position_embeddings"), "n_embd": cfg.get("hidden_size"),
+               "n_head": cfg.get("num_attention_heads"), "n_head_kv": cfg.get("num_key_value_heads")}
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return {k: v for k, v in out.items() if v is not None}
+
+
 def estimate_hf_dir(path: Path, *, ctx: int | None = None) -> MemoryEstimate:
     """Params from config.json x dtype (or the safetensors' size if larger) + KV cache + overhead."""
     cfg = json.loads((path / "config.json").read_text())

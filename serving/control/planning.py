@@ -30,6 +30,7 @@ from hub.imports import HubInputError, LoadSource, check_load_path
 from hub.models import ModelArtifact
 from hub.paths import InvalidPrefix, validate_prefix
 from serving.adapters import InvalidExtraArgs, LaunchSpec, get_adapter
+from serving.adapters.base import share_text
 from serving.control import presets
 from serving.control.lora import check_adapters, is_stored
 from serving.control.placement import (
@@ -43,6 +44,7 @@ from serving.control.placement import (
     gguf_header,
     gib,
     gpu_rooms,
+    hf_header,
     ram_room,
 )
 from serving.control.selection import (
@@ -412,7 +414,7 @@ def make_launch_plan(*, node: Node, source: ModelSource, model_name: str, server
         share, estimate = gpu_share(node, chosen, estimate, given=run_args.get(adapter.gpu_share_flag),
                                     instance_id=instance_id, placed=placed_gpus is not None)
         if share:
-            fit += f"; {choice.backend} takes {share:.2f} of each: ~{gib(estimate.total_mib)}"
+            fit += f"; {choice.backend} takes {share_text(share)} of each: ~{gib(estimate.total_mib)}"
     # The node's GPU type also on a CPU placement: the backend is then told to see no GPU.
     gpu_type = "" if node_type == CPU else node_type
     spec = LaunchSpec(
@@ -422,6 +424,7 @@ def make_launch_plan(*, node: Node, source: ModelSource, model_name: str, server
         extra_args_checked=True, api_key_file=KEY_FILE_SLOT, cpu_cores=node.cpu_count or 0,
         cpu_backends=1 + (0 if chosen else cpu_backends_on(node, besides=instance_id)),
         context=chosen_ctx or 0, context_reason=context_reason, gpu_share=share,
+        context_trained=int(header.get("ctx") or 0),
         adapters=tuple((a["name"], adapter_slot(a["name"]) if is_stored(a) else a["path"], float(a.get("scale", 1.0)))
                        for a in adapters or ()),
     )
@@ -438,11 +441,17 @@ def make_launch_plan(*, node: Node, source: ModelSource, model_name: str, server
 
 
 def model_header(source: ModelSource) -> dict:
-    """A GGUF's architecture keys read from its file on this disk ({} for anything else)."""
+    """The architecture keys (placement.gguf_header's) of a model on this disk: a GGUF's header, or
+    a Hugging Face folder's config.json ({} for anything else)."""
     path = source.local_path
-    if source.fmt != layout.GGUF or path is None or not path.is_file():
+    if path is None:
         return {}
-    head = gguf_header(path)
+    if source.fmt == layout.GGUF and path.is_file():
+        head = gguf_header(path)
+    elif source.fmt == layout.HUGGINGFACE and (path / layout.HF_CONFIG).is_file():
+        head = hf_header(path / layout.HF_CONFIG)
+    else:
+        return {}
     return head if has_kv_shape(head) else {}
 
 
@@ -476,6 +485,16 @@ def _room_mib(node: Node, gpus: list[int], instance_id: int | None) -> int | Non
 GPU_SHARE_DEFAULT = 0.9  # vLLM's own --gpu-memory-utilization
 
 
+def _share_between(need: float, most: float) -> float:
+    """The largest share up to `most` in hundredths (else thousandths) that still holds `need`; the
+    least one above `need` when none does (the fit check placed the model, so it is rounding)."""
+    for step in (100, 1000):
+        share = math.floor(most * step) / step
+        if share >= need:
+            return min(1.0, share)
+    return min(1.0, math.ceil(need * 1000) / 1000)
+
+
 def gpu_share(node: Node, gpus: list[int], estimate: MemoryEstimate, *, given: object, instance_id: int | None,
               placed: bool) -> tuple[float, MemoryEstimate]:
     """The fraction of each GPU's memory an engine that takes a fixed share of it at start (vLLM's
@@ -501,8 +520,8 @@ def gpu_share(node: Node, gpus: list[int], estimate: MemoryEstimate, *, given: o
         why = f"{share:.2f} of each GPU's memory at start, as the load sets"
     else:
         free = min(r.free_mib / r.total_mib for r in held)
-        share = min(1.0, max(math.ceil(need * 100) / 100, math.floor(min(GPU_SHARE_DEFAULT, free) * 100) / 100))
-        why = (f"{share:.2f} of each GPU's memory at start (--gpu-memory-utilization"
+        share = _share_between(need, min(GPU_SHARE_DEFAULT, free))
+        why = (f"{share_text(share)} of each GPU's memory at start (--gpu-memory-utilization"
                + (f"; vLLM's own {GPU_SHARE_DEFAULT} would not start: {free:.2f} is free)" if free < GPU_SHARE_DEFAULT
                   else ")"))
     total = round(sum(share * r.total_mib for r in held))

@@ -262,3 +262,32 @@ def test_a_second_vllm_model_gets_what_the_first_left(client, node, operator, hf
     assert second.status_code == 202 and share(second) == "0.07", second.content  # 1,800 MiB of 24,000 free
     third = load("c")
     assert third.status_code == 409 and third.json()["error"]["code"] == "does_not_fit", third.content
+
+
+def _hf_folder(path: Path, max_positions: int) -> Path:
+    import json
+
+    path.mkdir()
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 256,
+              "intermediate_size": 128, "max_position_embeddings": max_positions, "torch_dtype": "float16"}
+    (path / "config.json").write_text(json.dumps(config))
+    (path / "model.safetensors").write_bytes(b"x" * 64)
+    return path
+
+
+def test_vllm_gets_a_smaller_context_only_where_its_own_does_not_fit(node, tmp_path):
+    """vLLM's own context is the model's (and it refuses to start when one sequence of it does not
+    fit its KV cache): the plan passes --max-model-len only for a smaller one, with a share that
+    holds it. The folder's KV cache is 512 bytes a token, as the tiny GGUF's."""
+    long = _hf_folder(tmp_path / "long", MILLION)
+    _vllm_node(node, (24000 - 800,))  # 800 MiB free: 512 MiB overhead + 256 MiB for 524,288 tokens
+    launch = plan_load(model_path=str(long), model_name="long").launch
+    assert _flag(launch.argv, "--max-model-len") == str(MILLION // 2) and launch.context == MILLION // 2
+    assert "context 524,288 tokens of the model's 1,048,576" in launch.reason
+    # The share: the least free fraction in thousandths that holds the 768 MiB (0.04 of 24,000 would not fit).
+    assert _flag(launch.argv, "--gpu-memory-utilization") == "0.033" and launch.estimate_mib == 792
+    short = _hf_folder(tmp_path / "short", 4096)
+    launch = plan_load(model_path=str(short), model_name="short").launch
+    assert "--max-model-len" not in launch.argv and launch.context == 4096  # its own: vLLM's default
+    assert "tokens, the model's own" not in launch.reason
