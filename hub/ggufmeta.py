@@ -166,10 +166,32 @@ def arch_header_from(buf: bytes) -> dict:
     return _arch_header(read_metadata_from(buf, ["general.architecture"], also=_arch_keys))
 
 
+# What sizes a Hugging Face model (serving.control.placement.estimate_hf_config), kept from its config.json.
+HF_CONFIG_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size",
+                  "num_attention_heads", "num_key_value_heads", "torch_dtype", "dtype", "tie_word_embeddings",
+                  "max_position_embeddings")
+
+
+def hf_arch_header(cfg: Any) -> dict:
+    """arch_header's keys from a Hugging Face config.json's object (its text model's, for a
+    multimodal one), with the settings that size it under "config"; {} for anything else."""
+    if not isinstance(cfg, dict):
+        return {}
+    text = cfg.get("text_config") if "hidden_size" not in cfg else cfg
+    if not isinstance(text, dict):
+        return {}
+    config = {k: text[k] for k in HF_CONFIG_KEYS if isinstance(text.get(k), (int, float, str, bool))}
+    out = {"arch": str(config.get("model_type") or ""), "n_layers": config.get("num_hidden_layers"),
+           "ctx": config.get("max_position_embeddings"), "n_embd": config.get("hidden_size"),
+           "n_head": config.get("num_attention_heads"), "n_head_kv": config.get("num_key_value_heads"),
+           "config": config}
+    return {k: v for k, v in out.items() if v is not None}
+
+
 def has_kv_shape(head: dict) -> bool:
     """Whether a header says enough to size the KV cache (layers, width, heads, trained context;
     the KV heads default to the heads)."""
     return all(isinstance(head.get(k), int) and head[k] > 0 for k in ("n_layers", "n_embd", "ctx", "n_head"))
 
 
-__all__ = ["ARCH_KEYS", "arch_header", "arch_header_from", "has_kv_shape", "read_metadata", "read_metadata_from"]
+__all__ = ["ARCH_KEYS", "HF_CONFIG_KEYS", "arch_header", "arch_header_from", "has_kv_shape", "hf_arch_header", "read_metadata", "read_metadata_from"]

@@ -1,13 +1,14 @@
 """The ModelArtifact index: the store's listing kept in the database (the store is the truth)."""
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from django.db import transaction
 from django.utils import timezone
 
 from hub import layout
-from hub.ggufmeta import arch_header_from, has_kv_shape
+from hub.ggufmeta import arch_header_from, has_kv_shape, hf_arch_header
 from hub.models import ModelArtifact, PrefixLock
 from hub.paths import validate_prefix
 from hub.store import ModelStore, StoredModel, get_store
@@ -18,14 +19,25 @@ from hub.store import ModelStore, StoredModel, get_store
 HEAD_READS = (16 * 1024, 1024 * 1024, 16 * 1024 * 1024)
 
 
-def stored_gguf_header(store: ModelStore, prefix: str, files: list[dict[str, Any]],
-                       cached: dict[str, Any] | None) -> dict[str, Any]:
-    """The architecture keys of the GGUF a store model loads (hub.ggufmeta.arch_header), with the
-    file and ETag they were read from: `cached` when it came from the same file, else ranged reads
-    of the file's start (HEAD_READS). {} when the store cannot be read or the file holds no such
-    keys: the memory estimate then falls back to the model's size. Read when a model is indexed,
-    so a load of an indexed model does not wait on the store for it."""
-    rel = layout.pick_gguf((str(f.get("path", "")), int(f.get("size") or 0)) for f in files or ())
+HF_CONFIG_MAX = 1024 * 1024  # a config.json larger than this is not read for the estimate
+
+
+def stored_model_header(store: ModelStore, prefix: str, fmt: str, files: list[dict[str, Any]],
+                        cached: dict[str, Any] | None) -> dict[str, Any]:
+    """What sizes a store model, with the file and ETag it was read from: a GGUF's architecture
+    keys (hub.ggufmeta.arch_header, from ranged reads of its start: HEAD_READS), or a Hugging Face
+    folder's (hub.ggufmeta.hf_arch_header, from its config.json). `cached` when it came from the
+    same file; {} when the store cannot be read or the file says nothing of it: the memory
+    estimate then falls back to the model's size. Read when a model is indexed, so a load of an
+    indexed model does not wait on the store for it."""
+    sizes = [(str(f.get("path", "")), int(f.get("size") or 0)) for f in files or ()]
+    if fmt == layout.GGUF:
+        rel = layout.pick_gguf(sizes)
+    elif fmt == layout.HUGGINGFACE:
+        root = layout.hf_root_rel(r for r, _ in sizes)
+        rel = None if root is None else (f"{root}/{layout.HF_CONFIG}" if root else layout.HF_CONFIG)
+    else:
+        rel = None
     if rel is None:
         return {}
     etag = next((str(f.get("etag") or "") for f in files if f.get("path") == rel), "")
@@ -33,27 +45,31 @@ def stored_gguf_header(store: ModelStore, prefix: str, files: list[dict[str, Any
         return cached
     head: dict[str, Any] = {}
     try:
-        for length in HEAD_READS:
-            buf = store.get_head(f"{prefix}/{rel}", length)
-            head = arch_header_from(buf)
-            # The KV heads (which models without grouped-query attention leave out) may lie past a
-            # read that ends between keys: read on, unless this was the whole file.
-            if has_kv_shape(head) and ("n_head_kv" in head or len(buf) < length):
-                break
+        if fmt == layout.HUGGINGFACE:
+            if dict(sizes).get(rel, 0) <= HF_CONFIG_MAX:
+                head = hf_arch_header(json.loads(store.get_bytes(f"{prefix}/{rel}")))
+        else:
+            for length in HEAD_READS:
+                buf = store.get_head(f"{prefix}/{rel}", length)
+                head = arch_header_from(buf)
+                # The KV heads (which models without grouped-query attention leave out) may lie past a
+                # read that ends between keys: read on, unless this was the whole file.
+                if has_kv_shape(head) and ("n_head_kv" in head or len(buf) < length):
+                    break
     except Exception:  # noqa: BLE001 - a store that cannot be read leaves the size-based estimate
         return {}
     return {**head, "file": rel, "etag": etag} if has_kv_shape(head) else {}
 
 
 def _header_of(store: ModelStore, model: StoredModel, cached: dict[str, Any] | None) -> dict[str, Any]:
-    if model.format != layout.GGUF or not model.complete:
+    if not model.complete:
         return {}
-    return stored_gguf_header(store, model.prefix, model.files, cached)
+    return stored_model_header(store, model.prefix, model.format, model.files, cached)
 
 
 def _upsert_artifact(model: StoredModel, *, store: ModelStore, source_repo: str = "",
                      source_revision: str = "") -> ModelArtifact:
-    cached = ModelArtifact.objects.filter(prefix=model.prefix).values_list("gguf_header", flat=True).first()
+    cached = ModelArtifact.objects.filter(prefix=model.prefix).values_list("model_header", flat=True).first()
     defaults = {
         "format": model.format,
         "name": model.prefix.split("/", 1)[1],
@@ -61,7 +77,7 @@ def _upsert_artifact(model: StoredModel, *, store: ModelStore, source_repo: str 
         "size_bytes": model.size_bytes,
         "file_count": model.file_count,
         "complete": model.complete,
-        "gguf_header": _header_of(store, model, cached),
+        "model_header": _header_of(store, model, cached),
         "indexed_at": timezone.now(),
     }
     if source_repo:
@@ -82,7 +98,7 @@ def refresh_index(*, store: ModelStore | None = None) -> int:
     models = store.scan_models()
     locked |= set(PrefixLock.objects.values_list("prefix", flat=True))
     existing = {a.prefix: a for a in ModelArtifact.objects.all() if a.prefix not in locked}
-    fields = ("format", "name", "files", "size_bytes", "file_count", "complete", "gguf_header", "indexed_at")
+    fields = ("format", "name", "files", "size_bytes", "file_count", "complete", "model_header", "indexed_at")
     new, changed = [], []
     for model in models:
         if model.prefix in locked:
@@ -90,7 +106,7 @@ def refresh_index(*, store: ModelStore | None = None) -> int:
         row = existing.pop(model.prefix, None)
         values = {"format": model.format, "name": model.prefix.split("/", 1)[1], "files": model.files,
                   "size_bytes": model.size_bytes, "file_count": model.file_count, "complete": model.complete,
-                  "gguf_header": _header_of(store, model, row.gguf_header if row is not None else None),
+                  "model_header": _header_of(store, model, row.model_header if row is not None else None),
                   "indexed_at": started}
         if row is None:
             new.append(ModelArtifact(prefix=model.prefix, **values))
@@ -131,4 +147,4 @@ def index_prefix(prefix: str, *, store: ModelStore | None = None, source_repo: s
     return _upsert_artifact(model, store=store, source_repo=source_repo, source_revision=source_revision)
 
 
-__all__ = ["index_prefix", "refresh_index", "stored_gguf_header"]
+__all__ = ["index_prefix", "refresh_index", "stored_model_header"]

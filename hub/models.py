@@ -29,7 +29,7 @@ class ModelArtifact(models.Model):
     # A GGUF's architecture keys (layers, width, heads, trained context) read from the store once,
     # with the file and ETag they came from: the load sizes the KV cache and the context from them
     # (serving.control.planning.source_header); a file replaced since is read again.
-    gguf_header = models.JSONField(default=dict, blank=True)
+    model_header = models.JSONField(default=dict, blank=True)
 
     class Meta:
         ordering = ["prefix"]

@@ -18,7 +18,7 @@ from typing import Any
 from django.conf import settings
 
 from hardware.models import GpuDevice, Node
-from hub.ggufmeta import arch_header, has_kv_shape
+from hub.ggufmeta import arch_header, has_kv_shape, hf_arch_header
 from hub.models import CacheEntry, CacheState
 from serving.models import InstanceState, ModelInstance
 
@@ -83,23 +83,26 @@ def estimate_gguf_head(head: dict, weights_mib: int, *, ctx: int | None = None) 
 
 
 def hf_header(config_path: Path) -> dict:
-    """gguf_header's keys from a Hugging Face config.json (its text model's, for a multimodal one);
+    """gguf_header's keys from a Hugging Face config.json on this disk (hub.ggufmeta.hf_arch_header);
     {} when it cannot be read. The trained context is max_position_embeddings."""
     try:
-        cfg = json.loads(config_path.read_text())
-        cfg = cfg.get("text_config", cfg) if "hidden_size" not in cfg else cfg
-        out = {"arch": str(cfg.get("model_type") or ""), "n_layers": cfg.get("num_hidden_layers"),
-               "ctx": cfg.get("max_position_embeddings"), "n_embd": cfg.get("hidden_size"),
-               "n_head": cfg.get("num_attention_heads"), "n_head_kv": cfg.get("num_key_value_heads")}
-    except (OSError, ValueError, AttributeError):
+        return hf_arch_header(json.loads(config_path.read_text()))
+    except (OSError, ValueError):
         return {}
-    return {k: v for k, v in out.items() if v is not None}
 
 
 def estimate_hf_dir(path: Path, *, ctx: int | None = None) -> MemoryEstimate:
-    """Params from config.json x dtype (or the safetensors' size if larger) + KV cache + overhead."""
-    cfg = json.loads((path / "config.json").read_text())
-    cfg = cfg.get("text_config", cfg) if "hidden_size" not in cfg else cfg
+    """estimate_hf_config from the folder's config.json, with its safetensors' size."""
+    cfg = hf_header(path / "config.json").get("config")
+    if not cfg:
+        raise ValueError(f"{path}/config.json says nothing of the model's size")  # estimate_memory falls back
+    on_disk = int(sum(p.stat().st_size for p in path.glob("*.safetensors")) / MIB)
+    return estimate_hf_config(cfg, on_disk, ctx=ctx)
+
+
+def estimate_hf_config(cfg: dict, on_disk_mib: int, *, ctx: int | None = None) -> MemoryEstimate:
+    """Params from a config.json's sizes (hub.ggufmeta.HF_CONFIG_KEYS) x dtype (or the weights'
+    size on disk if larger) + KV cache + overhead."""
     hidden = int(cfg.get("hidden_size", 0))
     layers = int(cfg.get("num_hidden_layers", 0))
     inter = int(cfg.get("intermediate_size", 4 * hidden))
@@ -109,9 +112,7 @@ def estimate_hf_dir(path: Path, *, ctx: int | None = None) -> MemoryEstimate:
     dtype = DTYPE_BYTES.get(str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"), 2)
     attn = hidden * hidden * 2 + 2 * hidden * (hidden * n_kv // max(n_head, 1))
     params = layers * (attn + 3 * hidden * inter) + vocab * hidden * (1 if cfg.get("tie_word_embeddings") else 2)
-    weights = int(params * dtype / MIB)
-    on_disk = int(sum(p.stat().st_size for p in path.glob("*.safetensors")) / MIB)
-    weights = max(weights, on_disk)
+    weights = max(int(params * dtype / MIB), on_disk_mib)
     n_ctx = min(ctx or DEFAULT_CTX, int(cfg.get("max_position_embeddings") or DEFAULT_CTX))
     kv = _kv_mib(layers, n_ctx, hidden, n_head, n_kv, bytes_per=dtype) if layers and hidden else 0
     detail = (f"{params / 1e9:.2f} B params x {dtype} bytes = {gib(weights)} + KV cache {gib(kv)} "
@@ -138,6 +139,8 @@ def estimate_memory(path: Path | None, *, fmt: str, size_bytes: int = 0, ctx: in
             return estimate_gguf(path, ctx=ctx)
         if fmt == "gguf" and header and has_kv_shape(header) and size_bytes:
             return estimate_gguf_head(header, int(size_bytes / MIB) + 1, ctx=ctx)
+        if fmt == "huggingface" and header and isinstance(header.get("config"), dict) and header["config"]:
+            return estimate_hf_config(header["config"], int(size_bytes / MIB), ctx=ctx)  # from the store's config.json
         if path is not None and fmt == "huggingface" and (path / "config.json").is_file():
             return estimate_hf_dir(path, ctx=ctx)
     except (OSError, ValueError, KeyError, TypeError):

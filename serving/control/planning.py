@@ -96,7 +96,7 @@ class ModelSource:
     local_path: Path | None  # a file or dir readable here (for the estimate), if any
     artifact: ModelArtifact | None
     size_bytes: int
-    header: dict = field(default_factory=dict)  # a GGUF's architecture keys (placement.gguf_header), if known
+    header: dict = field(default_factory=dict)  # a GGUF's architecture keys (placement.model_header), if known
 
 
 def _validate_prefix(prefix: str) -> str:
@@ -134,28 +134,28 @@ def resolve_source(model_path: str, *, on_this_node: bool) -> ModelSource:
     if artifact is not None:
         if not artifact.complete:
             raise LoadRefused(409, f"{prefix} is still being written to the store; try again when it is complete")
-        header = stored_gguf_header(prefix, artifact.files, artifact.gguf_header) if artifact.format == layout.GGUF else {}
-        if header and header != artifact.gguf_header:
-            ModelArtifact.objects.filter(pk=artifact.pk).update(gguf_header=header)
+        header = stored_model_header(prefix, artifact.format, artifact.files, artifact.model_header)
+        if header and header != artifact.model_header:
+            ModelArtifact.objects.filter(pk=artifact.pk).update(model_header=header)
         return ModelSource(prefix, "prefix", artifact.format, None, artifact, artifact.size_bytes, header)
     manifest = _store_manifest(prefix)  # not indexed yet: the store is the source of truth
     if manifest is None:
         raise LoadRefused(400, f"no model {prefix!r} in the store (see /api/storage/models)", code="model_not_found")
     fmt = prefix.split("/", 1)[0]
     files = [{"path": f.path, "size": f.size, "etag": f.etag} for f in manifest.files]
-    header = stored_gguf_header(prefix, files, None) if fmt == layout.GGUF else {}
+    header = stored_model_header(prefix, fmt, files, None)
     return ModelSource(prefix, "prefix", fmt, None, None, manifest.size_bytes, header)
 
 
-def stored_gguf_header(prefix: str, files: list[dict], cached: dict | None) -> dict:
-    """A stored GGUF's architecture keys (hub.index.stored_gguf_header): from the index row when it
-    has them for the same file, else read from the store now (a model not indexed yet, or indexed
-    before the index kept them)."""
-    from hub.index import stored_gguf_header as read
+def stored_model_header(prefix: str, fmt: str, files: list[dict], cached: dict | None) -> dict:
+    """What sizes a store model (hub.index.stored_model_header): from the index row when it has it
+    for the same file, else read from the store now (a model not indexed yet, or indexed before
+    the index kept it)."""
+    from hub.index import stored_model_header as read
     from hub.store import get_store
 
     try:
-        return read(get_store(), prefix, files, cached)  # the cached header when it is the same file's: no I/O
+        return read(get_store(), prefix, fmt, files, cached)  # the cached header when it is the same file's: no I/O
     except Exception:  # noqa: BLE001 - a store that cannot be set up leaves the size-based estimate
         return {}
 
@@ -441,7 +441,7 @@ def make_launch_plan(*, node: Node, source: ModelSource, model_name: str, server
 
 
 def model_header(source: ModelSource) -> dict:
-    """The architecture keys (placement.gguf_header's) of a model on this disk: a GGUF's header, or
+    """The architecture keys (placement.model_header's) of a model on this disk: a GGUF's header, or
     a Hugging Face folder's config.json ({} for anything else)."""
     path = source.local_path
     if path is None:

@@ -126,22 +126,22 @@ def test_a_stored_models_header_is_read_from_the_store_once_per_file(node, long_
     set_backends(NODE, node_backends())  # llama-server built on this machine, on the CPU
     store.upload_model("gguf/long", long_gguf)
     index_prefix("gguf/long", store=store)  # indexing reads the header: a load does not wait on the store for it
-    cached = ModelArtifact.objects.get(prefix="gguf/long").gguf_header
+    cached = ModelArtifact.objects.get(prefix="gguf/long").model_header
     assert cached["ctx"] == MILLION and cached["file"] == "long.gguf" and cached["etag"]
     launch = plan_load(model_path="gguf/long", model_name="long").launch
     # The estimate knows the KV cache of the whole context (not the store size + 15 %).
     assert launch.context == MILLION and f"KV cache 0.5 GiB for {MILLION} tokens" in launch.estimate_detail
     # A row indexed before the index kept headers: read at its first load, and kept.
-    ModelArtifact.objects.filter(prefix="gguf/long").update(gguf_header={})
+    ModelArtifact.objects.filter(prefix="gguf/long").update(model_header={})
     assert plan_load(model_path="gguf/long", model_name="long").launch.context == MILLION
-    assert ModelArtifact.objects.get(prefix="gguf/long").gguf_header == cached
+    assert ModelArtifact.objects.get(prefix="gguf/long").model_header == cached
     # The file replaced in the store (a 2,048-token model): the header read before stands while the
     # index names the old file; once the index has the new ETag, the new header is read.
     (store.root / "gguf" / "long" / "long.gguf").write_bytes(tiny_gguf.read_bytes())
     assert plan_load(model_path="gguf/long", model_name="long").launch.context == MILLION
     refresh_index(store=store)
     assert plan_load(model_path="gguf/long", model_name="long").launch.context == 2048
-    assert ModelArtifact.objects.get(prefix="gguf/long").gguf_header["ctx"] == 2048
+    assert ModelArtifact.objects.get(prefix="gguf/long").model_header["ctx"] == 2048
     # Not indexed yet: its manifest names the file, read from the store each time.
     store.upload_model("gguf/fresh", long_gguf)
     assert plan_load(model_path="gguf/fresh", model_name="fresh").launch.context == MILLION
@@ -291,3 +291,20 @@ def test_vllm_gets_a_smaller_context_only_where_its_own_does_not_fit(node, tmp_p
     launch = plan_load(model_path=str(short), model_name="short").launch
     assert "--max-model-len" not in launch.argv and launch.context == 4096  # its own: vLLM's default
     assert "tokens, the model's own" not in launch.reason
+
+
+def test_a_stored_hugging_face_models_config_sizes_it(node, tmp_path, store):
+    """The index keeps what sizes a stored folder (its config.json, read once), so vLLM's plan for
+    it counts weights and KV cache from the config, not the store size + 15 %, and chooses its context."""
+    from hub.index import index_prefix
+    from hub.models import ModelArtifact
+
+    store.upload_model("huggingface/long", _hf_folder(tmp_path / "long", MILLION))
+    index_prefix("huggingface/long", store=store)
+    header = ModelArtifact.objects.get(prefix="huggingface/long").model_header
+    assert (header["ctx"], header["n_layers"], header["file"]) == (MILLION, 2, "config.json")
+    assert header["config"]["torch_dtype"] == "float16" and header["etag"]
+    _vllm_node(node, (24000 - 800,))
+    launch = plan_load(model_path="huggingface/long", model_name="long").launch
+    assert _flag(launch.argv, "--max-model-len") == str(MILLION // 2)
+    assert f"B params x 2 bytes = 0.0 GiB + KV cache 0.2 GiB for {MILLION // 2} tokens" in launch.estimate_detail
