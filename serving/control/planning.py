@@ -96,7 +96,7 @@ class ModelSource:
     local_path: Path | None  # a file or dir readable here (for the estimate), if any
     artifact: ModelArtifact | None
     size_bytes: int
-    header: dict = field(default_factory=dict)  # a GGUF's architecture keys (placement.model_header), if known
+    header: dict = field(default_factory=dict)  # what sizes it (hub.index.stored_model_header), if known
 
 
 def _validate_prefix(prefix: str) -> str:
@@ -441,7 +441,7 @@ def make_launch_plan(*, node: Node, source: ModelSource, model_name: str, server
 
 
 def model_header(source: ModelSource) -> dict:
-    """The architecture keys (placement.model_header's) of a model on this disk: a GGUF's header, or
+    """The architecture keys (placement.gguf_header's) of a model on this disk: a GGUF's header, or
     a Hugging Face folder's config.json ({} for anything else)."""
     path = source.local_path
     if path is None:
@@ -459,8 +459,9 @@ MIN_CHOSEN_CTX = 4096  # llama.cpp's own floor when it shrinks a context to fit 
 
 
 def context_choices(header: dict) -> list[int]:
-    """The contexts the console tries for a GGUF, largest first: the model's trained context, then
-    the powers of two below it down to MIN_CHOSEN_CTX ([] when the header does not say)."""
+    """The contexts the console tries, largest first: the model's trained context (a GGUF's, or a
+    config.json's max_position_embeddings), then the powers of two below it down to MIN_CHOSEN_CTX
+    ([] when the header does not say)."""
     if not has_kv_shape(header):
         return []
     trained = int(header["ctx"])
