@@ -86,8 +86,9 @@ class LaunchSpec:
     # included, when it runs on the CPU (each then gets its share of threads: `cpu_threads`).
     cpu_cores: int = 0
     cpu_backends: int = 1
-    # The context the console chose where the load sets none (serving.control.planning.choose_context:
-    # the model's trained context, or less where its KV cache would not fit), and the verdict's words.
+    # The context the console chose where the load sets none (serving.control.planning.make_launch_plan,
+    # context_choices: the model's trained context, or less where its KV cache would not fit), and the
+    # verdict's words.
     context: int = 0
     context_reason: str = ""
     context_trained: int = 0  # the model's own context, where the plan read it
