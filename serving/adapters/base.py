@@ -105,6 +105,11 @@ class LaunchSpec:
         return self.server_type == "rerank"
 
 
+# The flags that set a context, each engine's (llama-server, llama-cpp-python, vLLM): a load's own
+# context is the one of these it sets (serving.control.planning), and the plan's then adds none.
+CTX_FLAGS = ("--ctx-size", "--n_ctx", "--max-model-len")
+
+
 def share_text(share: float) -> str:
     """A fraction of a GPU's memory as vLLM's --gpu-memory-utilization gets it: 0.9 -> "0.90", 0.033 -> "0.033"."""
     return f"{share:.2f}" if round(share * 100, 6).is_integer() else f"{share:.3f}"
@@ -202,8 +207,7 @@ class BackendAdapter:
 
     def context_argv(self, spec: LaunchSpec) -> tuple[list[str], str]:
         """`context_flag N` and why, for the context the plan chose (LaunchSpec.context)."""
-        ctx_flags = {"--ctx-size", "-c", "--n_ctx", "--max-model-len"}
-        if not spec.context or not self.context_flag or ctx_flags & self.checked_extra_args(spec).keys():
+        if not spec.context or not self.context_flag or set(CTX_FLAGS) & self.checked_extra_args(spec).keys():
             return [], ""
         if self.context_only_smaller and spec.context >= spec.context_trained:
             return [], ""

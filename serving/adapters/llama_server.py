@@ -110,9 +110,10 @@ class LlamaServer(BackendAdapter):
 
     def serving_defaults(self, spec: LaunchSpec) -> tuple[list[str], str]:
         """The context the plan chose (BackendAdapter.context_argv). A chat model gets DEFAULT_SLOTS
-        slots over one unified KV cache of that context (so no slot is cut to a sixteenth of it), unless the load or its preset sets the
-        slots or the KV layout; embedding and rerank models keep the engine's own. On a CPU that
-        other llama.cpp backends share, its share of the cores as `--threads` (BackendAdapter.cpu_threads)."""
+        slots over one unified KV cache of that context (so no slot is cut to a sixteenth of it),
+        unless the load or its preset sets the slots or the KV layout; embedding and rerank models
+        keep the engine's own. On a CPU that other llama.cpp backends share, its share of the cores
+        as `--threads` (BackendAdapter.cpu_threads)."""
         argv, context_why = self.context_argv(spec)
         why = [context_why] if context_why else []
         given = self.checked_extra_args(spec).keys()

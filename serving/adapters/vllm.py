@@ -159,6 +159,10 @@ class VllmServer(BackendAdapter):
         # its "non-default args" log line.
         return {"VLLM_API_KEY": secret}
 
+    def serving_defaults(self, spec: LaunchSpec) -> tuple[list[str], str]:
+        """A context smaller than the model's where the whole one does not fit (context_argv)."""
+        return self.context_argv(spec)
+
     def build_command(self, spec: LaunchSpec) -> list[str]:
         cmd = [
             spec.python or sys.executable, "-m", "vllm.entrypoints.openai.api_server",
@@ -191,11 +195,6 @@ class VllmServer(BackendAdapter):
         elif spec.is_rerank:  # `--convert classify` stays: a causal LM made a cross-encoder (Qwen3-Reranker)
             extra = _drop_flags(extra, {"--runner", "--task"})
         return cmd + extra
-
-
-    def serving_defaults(self, spec: LaunchSpec) -> tuple[list[str], str]:
-        """A context smaller than the model's where the whole one does not fit (context_argv)."""
-        return self.context_argv(spec)
 
 
 def _drop_flags(argv: list[str], flags: set[str]) -> list[str]:

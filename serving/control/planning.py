@@ -30,7 +30,7 @@ from hub.imports import HubInputError, LoadSource, check_load_path
 from hub.models import ModelArtifact
 from hub.paths import InvalidPrefix, validate_prefix
 from serving.adapters import InvalidExtraArgs, LaunchSpec, get_adapter
-from serving.adapters.base import share_text
+from serving.adapters.base import CTX_FLAGS, share_text
 from serving.control import presets
 from serving.control.lora import check_adapters, is_stored
 from serving.control.placement import (
@@ -65,7 +65,6 @@ MODEL_SLOT = "{model}"
 PYTHON_SLOT = "{python}"
 KEY_FILE_SLOT = "{api_key_file}"
 SLOTS = (PORT_SLOT, MODEL_SLOT, PYTHON_SLOT, KEY_FILE_SLOT)
-CTX_FLAGS = ("--ctx-size", "--n_ctx", "--max-model-len")
 
 
 def adapter_slot(name: str) -> str:

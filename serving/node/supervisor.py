@@ -673,9 +673,9 @@ class Supervisor(AgentWorker):
         """Instances of this node on their way out (evicted to make room, unloaded) free their
         memory before a new backend takes it. `leaving`: their count read with the row at the
         start (0: none, no query; a start's own evictions are marked before the agent hears of it)."""
-        deadline = time.monotonic() + settings.STOP_GRACE_S + 10
         if leaving == 0:
             return
+        deadline = time.monotonic() + settings.STOP_GRACE_S + 10
         while time.monotonic() < deadline and await _db(_leaving)(self.agent.name, instance_id):
             await asyncio.sleep(0.1)
 
