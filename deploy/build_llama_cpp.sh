@@ -12,8 +12,12 @@
 #   llama.cpp/VERSION/bin/llama-server      the server
 #   llama.cpp/VERSION/lib/                  libllama, libggml*, libmtmd (RPATH $ORIGIN)
 #   llama.cpp/VERSION/build.json            written last: present = complete
-#   llama.cpp/VERSION.building              while it compiles: {pid, commit, flavour, started, log}; the
-#                                           console reads the progress from that log (hardware/llama_build.py)
+#   llama.cpp/VERSION.lib/                  CPU builds: libllama and libggml*, staged as soon as they are
+#                                           linked (lib.json written last), before llama-server compiles:
+#                                           llama-cpp-python loads them minutes before the build ends
+#   llama.cpp/VERSION.building              while it compiles: {pid, commit, flavour, started, log, phase,
+#                                           libs}; the console reads the progress from that log
+#                                           (hardware/llama_build.py)
 #   llama.cpp/VERSION.failed                the last build's error, until a build succeeds
 # A second run with the same VERSION does nothing (seconds).
 #
@@ -99,12 +103,14 @@ if [ ! -f "$src/tools/server/server.cpp" ] || [ ! -f "$src/LICENSE" ]; then
 fi
 commit="$(git -C "$src" rev-parse --short HEAD 2>/dev/null || echo unknown)"
 started_at=$(date +%s)
-write_state() {  # $1: llama.cpp's own version, once configured ("" before)
-  printf '{"pid": %d, "version": "%s", "commit": "%s", "llama_version": "%s", "flavour": "%s", "started": %d, "log": "%s"}\n' \
-    "$$" "$version" "$commit" "$1" "$flavour" "$started_at" "$work/build.log" >"$state.part"
+# $1: llama.cpp's own version, once configured ("" before); $2: the phase (libraries: libllama and
+# what it links, then llama-server); $3: the staged libraries' folder once they are there.
+write_state() {
+  printf '{"pid": %d, "version": "%s", "commit": "%s", "llama_version": "%s", "flavour": "%s", "started": %d, "log": "%s", "phase": "%s", "libs": "%s"}\n' \
+    "$$" "$version" "$commit" "$1" "$flavour" "$started_at" "$work/build-$2.log" "$2" "${3:-}" >"$state.part"
   mv "$state.part" "$state"
 }
-write_state ""
+write_state "" libraries
 
 # Portable CPU build (GGML_NATIVE=OFF still enables AVX/AVX2/FMA/F16C on x86), shared libraries,
 # only the server and what it links. No web UI, no HTTPS, nothing fetched while configuring.
@@ -140,9 +146,25 @@ cmake -S "$src" -B "$work/build" "${flags[@]}" >"$work/configure.log" 2>&1 \
   || fail "configuring the build failed" "$work/configure.log"
 # llama.cpp's version as CMake states it ("0.5.0-dev"): with build 0 and the commit, what the
 # built llama-server's --version will say, so a load planned meanwhile records the right one.
-write_state "$(sed -n 's/^-- llama.cpp version: \([A-Za-z0-9.+-]*\)$/\1/p' "$work/configure.log" | head -n 1)"
-cmake --build "$work/build" --target llama-server -j "$jobs" >"$work/build.log" 2>&1 \
-  || fail "compiling llama-server failed" "$work/build.log"
+llama_version="$(sed -n 's/^-- llama.cpp version: \([A-Za-z0-9.+-]*\)$/\1/p' "$work/configure.log" | head -n 1)"
+write_state "$llama_version" libraries
+# First libllama and the ggml libraries it links (111 of 410 s on 2 cores): on a CPU build they are
+# staged at once, so llama-cpp-python can serve while llama-server compiles (mtmd, common, the server).
+cmake --build "$work/build" --target llama -j "$jobs" >"$work/build-libraries.log" 2>&1 \
+  || fail "compiling libllama failed" "$work/build-libraries.log"
+staged=""
+if [ "$flavour" = cpu ]; then
+  mkdir -p "$work/lib"
+  cp -a "$work/build/bin/"lib*.so* "$work/lib/"
+  printf '{"llama_cpp_python": "%s", "llama_cpp_commit": "%s", "flavour": "%s"}\n' "$version" "$commit" "$flavour" \
+    >"$work/lib/lib.json"
+  rm -rf "$prefix.lib"
+  mv "$work/lib" "$prefix.lib"
+  staged="$prefix.lib"
+fi
+write_state "$llama_version" llama-server "$staged"
+cmake --build "$work/build" --target llama-server -j "$jobs" >"$work/build-llama-server.log" 2>&1 \
+  || fail "compiling llama-server failed" "$work/build-llama-server.log"
 
 out="$work/out"
 mkdir -p "$out/bin" "$out/lib"

@@ -185,9 +185,23 @@ def llama_cpp_lib_env() -> dict[str, str]:
     if _own_llama_lib(Path(next(iter(spec.submodule_search_locations)))):
         return {}
     build = llama_cpp_build()
-    if build is None or not any((build / "lib").glob("libllama.*")):
-        return {}
-    return {"LLAMA_CPP_LIB_PATH": str(build / "lib")}
+    if build is not None and any((build / "lib").glob("libllama.*")):
+        return {"LLAMA_CPP_LIB_PATH": str(build / "lib")}
+    staged = staged_llama_cpp_libs()
+    return {"LLAMA_CPP_LIB_PATH": str(staged)} if staged is not None else {}
+
+
+def staged_llama_cpp_libs(version: str | None = None) -> Path | None:
+    """The libraries a CPU build of `version` (default: the installed llama-cpp-python's) staged
+    before compiling llama-server (`VERSION.lib`, complete once its lib.json is there), else None.
+    Kept after the build: a console that exported this path while the build ran still finds it."""
+    version = llama_cpp_python_version() if version is None else version
+    if not version:
+        return None
+    staged = cache_dir() / "llama.cpp" / f"{version}.lib"
+    if (staged / "lib.json").is_file() and any(staged.glob("libllama.*")):
+        return staged
+    return None
 
 
 def export_llama_cpp_lib_path() -> None:

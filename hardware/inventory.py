@@ -33,10 +33,15 @@ def _say_build(node: str, before: dict[str, Any] | None, now: dict[str, Any] | N
     seen, fails, or ends: the pages show it, but whoever watches the terminal learns it there."""
     state_before, state_now = (before or {}).get("state"), (now or {}).get("state")
     label = (now or {}).get("label")
+    if state_now == state_before == "building" and not (before or {}).get("libraries_ready") \
+            and (now or {}).get("libraries_ready"):
+        log.info("%s on %s; llama-cpp-python can serve now", label, node)
+        return
     if state_now == state_before:
         return
     if state_now == "building":
-        log.info("%s on %s; loads of llama-server and llama-cpp-python wait for it", label, node)
+        log.info("%s on %s; loads of llama-cpp-python wait for its libraries, llama-server for the whole build",
+                 label, node)
     elif state_now == "failed":
         log.warning("%s on %s; loads of llama-server and llama-cpp-python fail until it is built "
                     "(run deploy/bootstrap.sh again)", label, node)

@@ -4,8 +4,11 @@
 machine): the node shows "llama.cpp building: N %" and a load asked for meanwhile waits for the
 build, then goes on. The script writes, next to the build it makes (`llama.cpp/VERSION`):
 
-- `VERSION.building` while it compiles: {pid, version, commit, flavour, started, log}; removed
-  when it ends. A file whose pid is gone (a build killed with SIGKILL) counts as failed.
+- `VERSION.building` while it compiles: {pid, version, commit, flavour, started, log, phase, libs};
+  removed when it ends. A file whose pid is gone (a build killed with SIGKILL) counts as failed.
+  It compiles in two phases, each with its own log: `libraries` (libllama and the ggml libraries
+  it links), then `llama-server`. A CPU build stages the libraries in `VERSION.lib` between the
+  two (`libs` names it): llama-cpp-python loads them while llama-server compiles.
 - `VERSION.failed` after a failed build: {error, tail, at}; removed by the next good build.
 
 The percentage is the largest of the last `[ NN%]` lines (make) or `[N/M]` lines (ninja) of the
@@ -40,12 +43,18 @@ class BuildState:
     started: float = 0.0
     error: str = ""
     prefix: Path | None = None
+    phase: str = ""  # libraries | llama-server ("" from a script before the phases)
+    libs: Path | None = None  # the staged libraries (VERSION.lib), once the first phase is done
 
     @property
     def label(self) -> str:
-        """What the node's pages and the waiting load say."""
+        """What the node's pages and the waiting load say (the percent is the phase's own)."""
         if self.state == "building":
             done = f"{self.percent} %" if self.percent is not None else "configuring"
+            if self.phase == "libraries":
+                done = f"libraries {done}, then llama-server"
+            elif self.phase == "llama-server":
+                done = f"llama-server {done}" + (" (its libraries are ready)" if self.libs else "")
             return f"llama.cpp {self.version} building: {done}"
         return f"llama.cpp {self.version} build failed: {self.error}"
 
@@ -63,7 +72,8 @@ class BuildState:
     def to_json(self) -> dict[str, Any]:
         return {"version": self.version, "state": self.state, "percent": self.percent,
                 "flavour": FLAVOURS.get(self.flavour, self.flavour), "started": self.started,
-                "error": self.error, "label": self.label}
+                "error": self.error, "label": self.label, "phase": self.phase,
+                "libraries_ready": self.libs is not None}
 
 
 def build_in_rows(backends: list[dict[str, Any]] | None) -> dict[str, Any] | None:
@@ -112,10 +122,12 @@ def build_state(root: Path, version: str) -> BuildState | None:
     if running is not None:
         pid = running.get("pid")
         if isinstance(pid, int) and _alive(pid):
+            libs = str(running.get("libs") or "")
             return BuildState(version=version, state="building", percent=build_percent(Path(str(running.get("log")))),
                               commit=str(running.get("commit") or ""),
                               llama_version=str(running.get("llama_version") or ""), flavour=str(running.get("flavour") or "cpu"),
-                              started=float(running.get("started") or 0), prefix=prefix)
+                              started=float(running.get("started") or 0), prefix=prefix,
+                              phase=str(running.get("phase") or ""), libs=Path(libs) if libs else None)
         if not (prefix / "build.json").is_file():
             return BuildState(version=version, state="failed", commit=str(running.get("commit") or ""),
                               error=f"the build (pid {pid}) stopped without finishing; run deploy/bootstrap.sh "

@@ -18,11 +18,16 @@ class GpuOut(Schema):
 class LlamaBuildOut(Schema):
     version: str = Field(description="llama-cpp-python's version, whose vendored llama.cpp is built")
     state: str = Field(description="building | failed")
-    percent: int | None = Field(None, description="CMake's own progress; null while it configures")
+    percent: int | None = Field(None, description="CMake's own progress of the phase; null while it configures")
+    phase: str = Field("", description="libraries (libllama and the ggml libraries, which llama-cpp-python can "
+                                       "use as soon as they are built), then llama-server")
+    libraries_ready: bool = Field(False, description="a CPU build's libraries are staged: llama-cpp-python "
+                                                     "serves while llama-server compiles")
     flavour: str
     started: float = Field(description="Unix time the compile started (building) or failed (failed)")
     error: str
-    label: str = Field(description='what the pages show, e.g. "llama.cpp 0.3.36 building: 45 %"')
+    label: str = Field(description='what the pages show, e.g. "llama.cpp 0.3.36 building: llama-server 45 % (its '
+                                   'libraries are ready)"')
 
 
 class NodeOut(Schema):

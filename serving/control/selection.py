@@ -86,6 +86,19 @@ def _available(backends: list[dict]) -> dict[tuple[str, str], dict]:
     return out
 
 
+def _sooner_on_cpu(prefs: list[tuple[str, str]], have: dict[tuple[str, str], dict]) -> list[tuple[str, str]]:
+    """The preferences on a CPU node, an engine here now before one whose build still runs, and
+    one that waits only for the build's first phase (llama-cpp-python: libllama, staged before
+    llama-server compiles, minutes sooner) before one that waits for all of it. A GPU node keeps
+    its order: an engine built for the GPU is worth its wait over a CPU one."""
+    def wait(pref: tuple[str, str]) -> int:
+        row = have.get(pref)
+        if row is None or not building(row):
+            return 0
+        return 1 if pref[0] == "llama-cpp-python" and row["build"].get("phase") == "libraries" else 2
+    return sorted(prefs, key=wait)  # stable: the table's order within each
+
+
 def _waits(row: dict) -> str:
     label = building(row)
     return f" ({label}; the load starts when it is built)" if label else ""
@@ -202,7 +215,7 @@ def choose_backend(*, fmt: str, gpu_type: str, backends: list[dict], requested: 
         raise BackendUnavailable(f"no backend serves a {server_type} model in {fmt} format on {gpu_label} "
                                  f"(only {_serving(server_type, fmt)} can)")
     first = prefs[0]
-    for name, flavour in prefs:
+    for name, flavour in _sooner_on_cpu(prefs, have) if gpu_type == CPU else prefs:
         b = have.get((name, flavour))
         if b is None:
             continue
@@ -211,6 +224,10 @@ def choose_backend(*, fmt: str, gpu_type: str, backends: list[dict], requested: 
             reason = f"{fmt_label} on {gpu_label} -> {name} ({flavour})"
             if (name, flavour) == ("llama-server", "cpu") and server_type in ADAPTERS["llama-cpp-python"].server_types:
                 reason += f": {LLAMA_SERVER_ON_CPU_WHY}"  # why not the other engine that could serve it
+        elif first in have:  # chosen before the first, whose build still runs (see _sooner_on_cpu)
+            reason = (f"{fmt_label} on {gpu_label} -> {name} ({flavour}): {first[0]} ({first[1]}) is still "
+                      f"building on {node_name} ({building(have[first])}); "
+                      + ("the build makes the libraries it needs first" if building(b) else "this one serves now"))
         else:
             reason = (f"{fmt_label} on {gpu_label} -> {name} ({flavour}): {first[0]} ({first[1]}) "
                       f"is not installed on {node_name}")

@@ -1,8 +1,10 @@
 """A llama-cpp-python source package whose "compile" the test controls, for the real
-deploy/build_llama_cpp.sh: CMake configures it and builds its `llama-server` target, which prints
-CMake-style progress, waits for the test's go file, then fails or puts in place a llama-server (and
-the libraries) copied from `FAKE_FROM` (the real cached build, or a stub). Everything around the
-compile (the state files, the copy into the cache, build.json) is the script's own."""
+deploy/build_llama_cpp.sh: CMake configures it and builds its `llama` target (the libraries:
+CMake-style progress, then, once the test's lib-go file exists when it gives one, the libraries
+copied from `FAKE_FROM`), then its `llama-server` target, which prints progress, waits for the
+test's go file, then fails or puts in place a llama-server (and the libraries) copied from
+`FAKE_FROM` (the real cached build, or a stub). Everything around the compile (the state files,
+the staged libraries, the copy into the cache, build.json) is the script's own."""
 from __future__ import annotations
 
 import io
@@ -18,7 +20,15 @@ from tests.conftest import REPO
 CMAKELISTS = """cmake_minimum_required(VERSION 3.14)
 project(fake_llama NONE)
 message(STATUS "llama.cpp version: 0.5.0-dev")
+add_custom_target(llama COMMAND sh ${CMAKE_SOURCE_DIR}/compile-lib.sh ${CMAKE_BINARY_DIR})
 add_custom_target(llama-server ALL COMMAND sh ${CMAKE_SOURCE_DIR}/compile.sh ${CMAKE_BINARY_DIR})
+"""
+COMPILE_LIB = """set -e
+echo "[ 20%] Building CXX object src/CMakeFiles/llama.dir/llama.cpp.o"
+if [ -n "$FAKE_LIB_GO" ]; then while [ ! -e "$FAKE_LIB_GO" ]; do sleep 0.1; done; fi
+mkdir -p "$1/bin"
+cp "$FAKE_FROM"/lib/lib*.so* "$1/bin/"
+echo "[100%] Built target llama"
 """
 COMPILE = """set -e
 echo "[ 12%] Building CXX object ggml/src/CMakeFiles/ggml-base.dir/ggml.c.o"
@@ -48,6 +58,7 @@ def write_sdist(cache: Path, version: str) -> Path:
     with tarfile.open(path, "w:gz") as tar:
         _add(tar, f"{root}/CMakeLists.txt", CMAKELISTS)
         _add(tar, f"{root}/compile.sh", COMPILE)
+        _add(tar, f"{root}/compile-lib.sh", COMPILE_LIB)
         _add(tar, f"{root}/tools/server/server.cpp", "int main() { return 0; }\n")
         _add(tar, f"{root}/LICENSE", "MIT\n")
     return path
@@ -64,10 +75,12 @@ def stub_build(where: Path) -> Path:
     return where
 
 
-def start_build(cache: Path, version: str, *, go: Path, copy_from: Path, fail: str = "") -> subprocess.Popen:
-    """The real build script on the fake source package, in its own session (as bootstrap runs it)."""
+def start_build(cache: Path, version: str, *, go: Path, copy_from: Path, fail: str = "",
+                lib_go: Path | None = None) -> subprocess.Popen:
+    """The real build script on the fake source package, in its own session (as bootstrap runs it).
+    `lib_go`: the libraries' phase waits for this file (without it, it does not wait)."""
     env = {**os.environ, "XGEN_CACHE_DIR": str(cache), "FAKE_GO": str(go), "FAKE_FROM": str(copy_from),
-           "FAKE_FAIL": fail, "XGEN_BUILD_JOBS": "1"}
+           "FAKE_FAIL": fail, "XGEN_BUILD_JOBS": "1", "FAKE_LIB_GO": str(lib_go or "")}
     cache.mkdir(parents=True, exist_ok=True)
     log = (cache / f"build-{version}.log").open("wb")
     return subprocess.Popen(["bash", str(REPO / "deploy" / "build_llama_cpp.sh"), version, sys.executable],

@@ -96,3 +96,41 @@ def test_explicit_backend_is_validated():
     only_python = entries({("llama-cpp-python", "cpu")})
     fallback = choose_backend(fmt="gguf", gpu_type="CPU", backends=only_python, node_name="n")
     assert fallback.backend == "llama-cpp-python" and "llama-server (cpu) is not installed on n" in fallback.reason
+
+
+def _building(name: str, flavour: str, phase: str, *, libraries_ready: bool = False) -> dict:
+    """A llama.cpp row whose build still runs (hardware.backends._build_row's shape)."""
+    label = ("llama.cpp 0.3.36 building: libraries 40 %, then llama-server" if phase == "libraries"
+             else "llama.cpp 0.3.36 building: 40 %")
+    return {"name": name, "flavour": flavour, "available": False, "version": "1", "path": f"/opt/{name}",
+            "reason": f"{name}: {label}", "build": {"state": "building", "percent": 40, "label": label,
+                                                   "phase": phase, "libraries_ready": libraries_ready}}
+
+
+def test_on_the_cpu_the_engine_that_is_built_first_is_chosen_while_llama_cpp_builds():
+    # Both wait for the build's first phase: llama-cpp-python needs only its libraries.
+    rows = [_building("llama-server", "cpu", "libraries"), _building("llama-cpp-python", "cpu", "libraries")]
+    choice = choose_backend(fmt="gguf", gpu_type="CPU", backends=rows, node_name="n1")
+    assert choice.backend == "llama-cpp-python"
+    assert "llama-server (cpu) is still building on n1 (llama.cpp 0.3.36 building: libraries 40 %, then " \
+           "llama-server); the build makes the libraries it needs first" in choice.reason, choice.reason
+    assert choice.reason.endswith("(llama.cpp 0.3.36 building: libraries 40 %, then llama-server; "
+                                  "the load starts when it is built)")
+    # Its libraries are staged: llama-cpp-python serves now, llama-server still compiles.
+    rows = [_building("llama-server", "cpu", "llama-server", libraries_ready=True),
+            *entries([("llama-cpp-python", "cpu")])]
+    choice = choose_backend(fmt="gguf", gpu_type="CPU", backends=rows, node_name="n1")
+    assert choice.backend == "llama-cpp-python" and "this one serves now" in choice.reason, choice.reason
+    assert "the load starts" not in choice.reason
+    # A build from a script without phases: the table's order (llama-server first), as before.
+    rows = [_building("llama-server", "cpu", ""), _building("llama-cpp-python", "cpu", "")]
+    assert choose_backend(fmt="gguf", gpu_type="CPU", backends=rows).backend == "llama-server"
+    # Built: llama-server, the table's first on the CPU.
+    rows = entries([("llama-server", "cpu"), ("llama-cpp-python", "cpu")])
+    assert choose_backend(fmt="gguf", gpu_type="CPU", backends=rows).backend == "llama-server"
+
+
+def test_on_a_gpu_node_the_gpu_build_is_worth_its_wait():
+    rows = [_building("llama-server", "cuda", "libraries"), *entries([("llama-cpp-python", "cpu")])]
+    choice = choose_backend(fmt="gguf", gpu_type="NVIDIA", backends=rows)
+    assert (choice.backend, choice.flavour) == ("llama-server", "cuda"), choice
