@@ -127,10 +127,9 @@ def waiting_build(backend: str, executable: str = "") -> BuildState | None:
         if executable and os.access(executable, os.X_OK):
             return None
     elif backend == "llama-cpp-python":
-        spec = importlib.util.find_spec("llama_cpp")
-        own = spec is not None and spec.submodule_search_locations and \
-            _own_llama_lib(Path(next(iter(spec.submodule_search_locations))))
-        if own or os.environ.get("LLAMA_CPP_LIB_PATH") or llama_cpp_lib_env():
+        package_dir = _llama_cpp_package()
+        if (package_dir is not None and _own_llama_lib(package_dir)) or os.environ.get("LLAMA_CPP_LIB_PATH") \
+                or llama_cpp_lib_env():
             return None
     else:
         return None
@@ -169,6 +168,14 @@ def find_llama_server() -> tuple[str | None, str]:
     return None, ""
 
 
+def _llama_cpp_package() -> Path | None:
+    """llama-cpp-python's package folder (found without importing it), None when not installed."""
+    spec = importlib.util.find_spec("llama_cpp")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
 def _own_llama_lib(package_dir: Path) -> bool:
     return any((package_dir / "lib").glob("libllama.*"))
 
@@ -179,10 +186,8 @@ def llama_cpp_lib_env() -> dict[str, str]:
     ships, e.g. a CUDA wheel's, and a LLAMA_CPP_LIB_PATH already set are left alone)."""
     if os.environ.get("LLAMA_CPP_LIB_PATH"):
         return {}
-    spec = importlib.util.find_spec("llama_cpp")
-    if spec is None or not spec.submodule_search_locations:
-        return {}
-    if _own_llama_lib(Path(next(iter(spec.submodule_search_locations)))):
+    package_dir = _llama_cpp_package()
+    if package_dir is None or _own_llama_lib(package_dir):
         return {}
     build = llama_cpp_build()
     if build is not None and any((build / "lib").glob("libllama.*")):
@@ -275,10 +280,9 @@ def probe_vllm() -> dict[str, Any]:
 
 def probe_llama_cpp_python() -> dict[str, Any]:
     """llama-cpp-python: importable, its version, and the ggml backend libraries it ships."""
-    spec = importlib.util.find_spec("llama_cpp")
-    if spec is None or not spec.submodule_search_locations:
+    package_dir = _llama_cpp_package()
+    if package_dir is None:
         return backend_row("llama-cpp-python", available=False, reason="llama-cpp-python: not installed")
-    package_dir = Path(next(iter(spec.submodule_search_locations)))
     version = llama_cpp_python_version()
     lib_env = llama_cpp_lib_env()
     if not lib_env and not os.environ.get("LLAMA_CPP_LIB_PATH") and not _own_llama_lib(package_dir):
